@@ -1,0 +1,130 @@
+"""Chapter 1 — the in-process backend: every worker lives in the driver's own process.
+
+Same contract as the Ray backend — same `Cluster`, `WorkerGroup`, calls, results and errors —
+but no Ray at all, so `breakpoint()` inside a worker method just works and a stack trace is one
+stack. Ray's old `local_mode` used to give this and is gone; verl users ask for it often.
+
+Two modes:
+- sequential (default): rank 0, then rank 1, ... in the caller's thread. Fully deterministic
+  and debugger-friendly, but ranks never run at the same time, so collectives are impossible
+  (the identity carries no rendezvous and `init_distributed` says so).
+- concurrent: one thread per rank, like one actor per rank. Collectives work (each rank builds
+  its own gloo group object); results are still returned in rank order.
+
+What it cannot show: a worker *process* dying (a crash here takes the driver with it), or
+placement on real resources (bundles are recorded in identities but nothing is reserved).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from avrid.workers.cluster import Cluster, make_identity
+from avrid.workers.errors import WorkerError
+from avrid.workers.group import WorkerGroup
+from avrid.workers.host import WorkerHost, check_outcome, free_port
+from avrid.workers.identity import Rendezvous, WorkerIdentity
+from avrid.workers.placement import PlacementPlan, RoleSpec
+
+
+class _SequentialChannel:
+    """Runs each call immediately, in the caller's thread; the ticket is the outcome."""
+
+    def __init__(self, hosts: Sequence[WorkerHost], identities: Sequence[WorkerIdentity]):
+        self._hosts = hosts
+        self._identities = identities
+
+    def submit(self, rank: int, method: str, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        return self._hosts[rank].call(method, *args, **kwargs)
+
+    def gather(self, tickets: Sequence[Any], ranks: Sequence[int], method: str,
+               timeout_s: float | None) -> list[Any]:
+        return [check_outcome(t, self._identities[r], method)
+                for t, r in zip(tickets, ranks, strict=True)]
+
+    def close(self) -> None:
+        pass
+
+
+class _ThreadChannel:
+    """One single-thread executor per rank: calls to one rank run in order, ranks in parallel."""
+
+    def __init__(self, hosts: Sequence[WorkerHost], identities: Sequence[WorkerIdentity]):
+        self._hosts = hosts
+        self._identities = identities
+        self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=ident.name)
+                       for ident in identities]
+
+    def submit(self, rank: int, method: str, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Future[Any]:
+        return self._pools[rank].submit(self._hosts[rank].call, method, *args, **kwargs)
+
+    def gather(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
+               timeout_s: float | None) -> list[Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = set(tickets)
+        rank_of = {id(t): r for t, r in zip(tickets, ranks, strict=True)}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+            if not done:
+                late = sorted(rank_of[id(t)] for t in pending)
+                first = self._identities[late[0]]
+                raise WorkerError(role=first.role, rank=first.rank, method=method,
+                                  reason="timeout", remote_traceback="",
+                                  detail=f"ranks {late} still running after {timeout_s} s")
+            # Fail fast: a failed rank may leave its peers blocked in a collective forever.
+            for t in done:
+                check_outcome(t.result(), self._identities[rank_of[id(t)]], method)
+        return [t.result() for t in tickets]
+
+    def close(self) -> None:
+        # Threads cannot be killed; a rank stuck in a collective ends at its gloo timeout.
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class InProcessBackend:
+    """Runs every role's workers inside this process (see the module docstring).
+
+    Example:
+        >>> backend = InProcessBackend(concurrent=True)   # threads, so collectives work
+        >>> with backend.launch(plan) as cluster:         # doctest: +SKIP
+        ...     cluster.group("actor").call(ActorWorker.all_reduce_rank)
+    """
+
+    def __init__(self, *, concurrent: bool = False, call_timeout_s: float | None = None):
+        self.concurrent = concurrent
+        self.call_timeout_s = call_timeout_s
+
+    def launch(self, plan: PlacementPlan) -> Cluster:
+        """Build every worker of `plan` in this process and return the cluster."""
+        groups: dict[str, WorkerGroup] = {}
+        try:
+            for spec in plan.roles:
+                groups[spec.role] = self._start_role(plan, spec)
+        except BaseException:
+            for group in groups.values():
+                group.close()
+            raise
+        return Cluster(plan, groups, release=lambda: None)
+
+    def _start_role(self, plan: PlacementPlan, spec: RoleSpec) -> WorkerGroup:
+        # Sequential ranks can never meet, so they get no rendezvous (a lone rank can).
+        can_meet = self.concurrent or spec.world_size == 1
+        rdv = (Rendezvous(master_addr="127.0.0.1", master_port=free_port(), in_process=True)
+               if can_meet else None)
+        hosts, identities = [], []
+        for slot in plan.slots_of(spec.role):
+            host, planned = WorkerHost(), make_identity(spec, slot, rdv)
+            started = host.start(planned, spec.worker, spec.init_kwargs, export_env=False)
+            hosts.append(host)
+            identities.append(check_outcome(started, planned, "__init__"))
+        channel_cls = _ThreadChannel if self.concurrent else _SequentialChannel
+        return WorkerGroup(role=spec.role, worker_cls=spec.worker, mesh=spec.mesh,
+                           identities=identities, channel=channel_cls(hosts, identities),
+                           call_timeout_s=self.call_timeout_s)

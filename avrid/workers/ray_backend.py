@@ -1,0 +1,234 @@
+"""Chapter 1 — the Ray backend: one actor per rank, placed in Ray placement groups.
+
+`RayBackend.launch(plan)` does, in order:
+1. checks the plan's total CPUs/GPUs against the cluster and fails at once if they cannot fit;
+2. reserves one placement group per pool and waits a bounded time for it (a pool that fits in
+   total but not per node — say STRICT_PACK over two half-full nodes — fails here, with what
+   was asked and what is free, instead of waiting forever);
+3. per role, starts one `WorkerHost` actor per rank in its bundle (fractional GPU shares for
+   colocated roles), asks rank 0 where it landed to pick the torch.distributed rendezvous,
+   then builds every rank's worker with its identity.
+
+Calls go out as ordinary actor calls; `_RayChannel.gather` waits in short slices so that a rank
+that raised or whose process died is reported within about a second — even while its peers
+are blocked in a collective waiting for it — and a stuck call ends at its timeout.
+
+Not here: how data is split (chapter 2) or how results are merged (chapter 3).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from avrid.workers.cluster import Cluster, make_identity
+from avrid.workers.errors import PlacementError, WorkerError
+from avrid.workers.group import WorkerGroup
+from avrid.workers.host import Location, WorkerHost, check_outcome
+from avrid.workers.identity import Rendezvous, WorkerIdentity
+from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
+
+
+def start_ray(*, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+    """Start a local Ray (or keep the running one) with quiet, test-friendly defaults.
+
+    `num_cpus` defaults to max(8, cores): CPUs are logical scheduling slots in Ray, so a laptop
+    can host the course's 4-8 single-CPU workers. `num_gpus` > 0 on a machine without GPUs
+    makes *pretend* GPUs: Ray only does the bookkeeping, which is enough to watch fractional
+    shares being placed.
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written to ~/.ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), num_gpus=num_gpus,
+             include_dashboard=False, log_to_driver=True, configure_logging=False)
+
+
+class RayWorkerHost(WorkerHost):
+    """A `WorkerHost` that reads its node IP and GPU ids from Ray's runtime context."""
+
+    def locate(self) -> Location:
+        ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        return Location(node=ray.util.get_node_ip_address(), devices=tuple(ids),
+                        free_port=super().locate().free_port)
+
+
+_RemoteHost = ray.remote(RayWorkerHost)
+
+
+class _RayChannel:
+    """Actor handles of one group; gathers outcomes with fail-fast death and error checks."""
+
+    def __init__(self, actors: Sequence[Any], identities: Sequence[WorkerIdentity],
+                 poll_s: float) -> None:
+        self.actors = list(actors)
+        self._identities = list(identities)
+        self._poll_s = poll_s
+
+    def submit(self, rank: int, method: str, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> ray.ObjectRef:
+        # Arguments go top level, so Ray resolves ObjectRefs among them before the call runs.
+        return self.actors[rank].call.remote(method, *args, **kwargs)
+
+    def gather(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
+               timeout_s: float | None) -> list[Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        rank_of = {t: r for t, r in zip(tickets, ranks, strict=True)}
+        pending, checked = list(tickets), set()
+        while pending:
+            left = self._poll_s if deadline is None else min(
+                self._poll_s, max(0.0, deadline - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
+            if not pending:
+                break  # fast path: everything finished inside one slice
+            # Some ranks are still running: report any finished rank that failed now, since
+            # its peers may be blocked on it forever (e.g. inside an all-reduce).
+            for t in ready:
+                self._get(t, rank_of[t], method)
+                checked.add(t)
+            if deadline is not None and time.monotonic() >= deadline:
+                late = sorted(rank_of[t] for t in pending)
+                ident = self._identities[late[0]]
+                raise WorkerError(role=ident.role, rank=ident.rank, method=method,
+                                  reason="timeout", remote_traceback="",
+                                  detail=f"ranks {late} still running after {timeout_s} s")
+        try:
+            values = ray.get(list(tickets))
+        except ray.exceptions.RayError:
+            values = [self._get(t, rank_of[t], method) for t in tickets]  # find who failed
+        return [check_outcome(v, self._identities[r], method)
+                for v, r in zip(values, ranks, strict=True)]
+
+    def _get(self, ticket: ray.ObjectRef, rank: int, method: str) -> Any:
+        ident = self._identities[rank]
+        try:
+            value = ray.get(ticket)
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerError(role=ident.role, rank=rank, method=method, reason="died",
+                              remote_traceback=str(exc),
+                              detail="its process exited during the call") from None
+        except ray.exceptions.RayError as exc:
+            raise WorkerError(role=ident.role, rank=rank, method=method, reason="failed",
+                              remote_traceback=str(exc), detail=type(exc).__name__) from None
+        return check_outcome(value, ident, method)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+class RayBackend:
+    """Starts workers as Ray actors inside placement groups (see the module docstring).
+
+    Args:
+        placement_timeout_s: how long to wait for a placement group before failing.
+        call_timeout_s: default bound on every group call (None: wait as long as workers live).
+        poll_s: how often a waiting call checks for failed or dead ranks.
+    """
+
+    def __init__(self, *, placement_timeout_s: float = 30.0,
+                 call_timeout_s: float | None = None, poll_s: float = 0.5) -> None:
+        self.placement_timeout_s = placement_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.poll_s = poll_s
+
+    def launch(self, plan: PlacementPlan) -> Cluster:
+        """Reserve the pools, start every rank of every role, return the cluster."""
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not running: call avrid.workers.start_ray() (or "
+                               "ray.init()) before RayBackend().launch()")
+        _check_fits(plan)
+        pgs: dict[str, PlacementGroup] = {}
+        groups: dict[str, WorkerGroup] = {}
+
+        def release() -> None:
+            for pg in pgs.values():
+                remove_placement_group(pg)
+
+        try:
+            for pool in plan.pools:
+                pgs[pool.name] = self._reserve(pool)
+            for spec in plan.roles:
+                groups[spec.role] = self._start_role(plan, spec, pgs[spec.pool])
+        except BaseException:
+            for group in groups.values():
+                group.close()
+            release()
+            raise
+        return Cluster(plan, groups, release)
+
+    def _reserve(self, pool: ResourcePool) -> PlacementGroup:
+        pg = placement_group([b.as_ray() for b in pool.bundles], strategy=pool.strategy,
+                             name=f"avrid-{pool.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            ray.get(pg.ready(), timeout=self.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise PlacementError(
+                f"pool {pool.name!r} ({len(pool.bundles)} bundles "
+                f"{[b.as_ray() for b in pool.bundles]}, {pool.strategy}) could not be placed "
+                f"within {self.placement_timeout_s} s; the cluster has "
+                f"{_cpu_gpu(ray.cluster_resources())} in total and "
+                f"{_cpu_gpu(ray.available_resources())} free"
+            ) from None
+        return pg
+
+    def _start_role(self, plan: PlacementPlan, spec: RoleSpec,
+                    pg: PlacementGroup) -> WorkerGroup:
+        slots = plan.slots_of(spec.role)
+        actors = [
+            _RemoteHost.options(
+                num_cpus=slot.cpus, num_gpus=slot.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=slot.bundle,
+                    # Child actors (e.g. vLLM's own Ray workers) stay inside this reservation.
+                    placement_group_capture_child_tasks=True),
+            ).remote()
+            for slot in slots
+        ]
+        planned = [make_identity(spec, slot, None) for slot in slots]
+        channel = _RayChannel(actors, planned, self.poll_s)
+        try:
+            # Rank 0's node hosts the TCP store every rank meets at.
+            where: Location = channel.gather(
+                [actors[0].locate.remote()], [0], "locate", self.placement_timeout_s)[0]
+            rdv = Rendezvous(master_addr=where.node, master_port=where.free_port)
+            planned = [make_identity(spec, slot, rdv) for slot in slots]
+            channel = _RayChannel(actors, planned, self.poll_s)
+            started = [a.start.remote(ident, spec.worker, dict(spec.init_kwargs), True)
+                       for a, ident in zip(actors, planned, strict=True)]
+            identities = channel.gather(started, range(len(slots)), "__init__",
+                                        self.placement_timeout_s)
+        except BaseException:
+            channel.close()
+            raise
+        return WorkerGroup(role=spec.role, worker_cls=spec.worker, mesh=spec.mesh,
+                           identities=identities,
+                           channel=_RayChannel(actors, identities, self.poll_s),
+                           call_timeout_s=self.call_timeout_s)
+
+
+def _check_fits(plan: PlacementPlan) -> None:
+    """Fail at once when the plan asks for more CPUs or GPUs in total than the cluster has."""
+    have = _cpu_gpu(ray.cluster_resources())
+    want = {"CPU": sum(p.total()["CPU"] for p in plan.pools),
+            "GPU": sum(p.total()["GPU"] for p in plan.pools)}
+    short = [k for k in want if want[k] > have[k] + 1e-9]
+    if short:
+        raise PlacementError(
+            f"the placement asks for {want['CPU']:g} CPU and {want['GPU']:g} GPU in "
+            f"{sum(len(p.bundles) for p in plan.pools)} bundles, but the cluster has "
+            f"{have['CPU']:g} CPU and {have['GPU']:g} GPU (short of {', '.join(short)})"
+        )
+
+
+def _cpu_gpu(resources: dict[str, float]) -> dict[str, float]:
+    return {"CPU": resources.get("CPU", 0.0), "GPU": resources.get("GPU", 0.0)}

@@ -1,0 +1,96 @@
+"""Chapter 1 — `Worker`: the base class of every role's code (actor, critic, rollout, ...).
+
+A worker is an ordinary Python class. It is constructed with its `WorkerIdentity` and its
+methods are plain methods: the driver calls them by naming them (``group.call(MyWorker.step,
+x)``), so "go to definition" and a type checker follow every call. Nothing here is rewritten,
+registered or scanned.
+
+The one service the base class gives is `init_distributed`: joining the group's
+torch.distributed process group from the rendezvous in the identity, the same way on Ray
+(one process per rank, the standard default group) and in-process (ranks are threads, so each
+builds its own gloo group object). Worker code then always passes ``group=self.process_group``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from avrid.workers.identity import WorkerIdentity
+
+if TYPE_CHECKING:  # torch is heavy; import it where a process group is actually made
+    from torch.distributed import ProcessGroup
+
+
+class Worker:
+    """Base class for role workers: holds the identity and, once joined, the process group.
+
+    Example:
+        >>> class Echo(Worker):
+        ...     def hello(self, greeting: str) -> str:
+        ...         return f"{greeting} from {self.identity.name}"
+        >>> Echo(WorkerIdentity(role="echo", rank=0, world_size=1)).hello("hi")
+        'hi from echo[0]'
+    """
+
+    def __init__(self, identity: WorkerIdentity) -> None:
+        self.identity = identity
+        self._process_group: ProcessGroup | None = None
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        """The group's torch.distributed process group; `init_distributed` must run first."""
+        if self._process_group is None:
+            raise RuntimeError(f"{self.identity.name}: call init_distributed() before using "
+                               f"the process group")
+        return self._process_group
+
+    def init_distributed(self, backend: str = "gloo", timeout_s: float = 60.0) -> ProcessGroup:
+        """Join the group's process group: every rank of the group must call this at once.
+
+        `backend` is "gloo" (CPU tensors, any machine) or "nccl" (CUDA tensors). The timeout
+        bounds how long a rank waits for the others, so a missing rank fails instead of hanging.
+        """
+        import torch.distributed as dist
+
+        ident = self.identity
+        if ident.rendezvous is None:
+            raise RuntimeError(
+                f"{ident.name}: this group has no rendezvous. A sequential in-process group runs "
+                f"one rank at a time, so collectives would deadlock; use "
+                f"InProcessBackend(concurrent=True) or the Ray backend"
+            )
+        timeout = timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves this worker's GPU at 0
+        if ident.rendezvous.in_process:
+            # Threads of one process cannot share the process-global default group, so each
+            # rank builds its own gloo group over a TCP store hosted by rank 0.
+            if backend != "gloo":
+                raise RuntimeError(f"{ident.name}: in-process groups support gloo only, "
+                                   f"got {backend!r}")
+            store = dist.TCPStore(ident.rendezvous.master_addr, ident.rendezvous.master_port,
+                                  ident.world_size, is_master=ident.rank == 0, timeout=timeout)
+            self._process_group = dist.ProcessGroupGloo(store, ident.rank, ident.world_size,
+                                                        timeout)
+        else:
+            # One process per rank: the standard env:// rendezvous. The host process already
+            # exported RANK, WORLD_SIZE, MASTER_ADDR, ... from the identity.
+            dist.init_process_group(backend, timeout=timeout)
+            self._process_group = dist.group.WORLD
+        return self._process_group
+
+    def destroy_distributed(self) -> None:
+        """Leave the process group (all ranks at once); a no-op if never joined."""
+        import torch.distributed as dist
+
+        if self._process_group is None:
+            return
+        # A barrier first: without it gloo sometimes aborts at teardown ("terminate called
+        # without an active exception") when one rank leaves while another still talks.
+        dist.barrier(group=self._process_group)
+        if self._process_group is dist.group.WORLD:
+            dist.destroy_process_group()
+        self._process_group = None
