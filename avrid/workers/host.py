@@ -86,10 +86,17 @@ def _failure(exc: BaseException) -> CallFailure:
     return CallFailure(exc_type=type(exc).__name__, traceback=text)
 
 
+def failure_of(value: Any, identity: WorkerIdentity, method: str) -> WorkerError | None:
+    """The `WorkerError` that `value` stands for if it is a `CallFailure`, else None."""
+    if not isinstance(value, CallFailure):
+        return None
+    return WorkerError(role=identity.role, rank=identity.rank, method=method, reason="raised",
+                       detail=value.exc_type, remote_traceback=value.traceback)
+
+
 def check_outcome(value: Any, identity: WorkerIdentity, method: str) -> Any:
     """Return `value`, or raise the `WorkerError` it stands for if it is a `CallFailure`."""
-    if isinstance(value, CallFailure):
-        raise WorkerError(role=identity.role, rank=identity.rank, method=method,
-                          reason="raised", detail=value.exc_type,
-                          remote_traceback=value.traceback)
+    error = failure_of(value, identity, method)
+    if error is not None:
+        raise error
     return value

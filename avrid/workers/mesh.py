@@ -97,8 +97,8 @@ class Mesh:
         """All ranks whose coordinates match `fixed`, e.g. ``ranks_where(dp=1)`` -> [2, 3]."""
         for name in fixed:
             self._index(name)
-        return [r for r in range(self.size)
-                if all(self.coords(r)[k] == v for k, v in fixed.items())]
+        return [r for r, c in enumerate(map(self.coords, range(self.size)))
+                if all(c[k] == v for k, v in fixed.items())]
 
     def ranks_along(self, axis: str, rank: int) -> list[int]:
         """The ranks that differ from `rank` only along `axis` (its group on that axis)."""

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from avrid.workers.cluster import Cluster, make_identity
 from avrid.workers.errors import PlacementError, WorkerError
 from avrid.workers.group import WorkerGroup
-from avrid.workers.host import Location, WorkerHost, check_outcome
+from avrid.workers.host import Location, WorkerHost, failure_of
 from avrid.workers.identity import Rendezvous, WorkerIdentity
 from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
 
@@ -82,7 +82,7 @@ class _RayChannel:
                timeout_s: float | None) -> list[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         rank_of = {t: r for t, r in zip(tickets, ranks, strict=True)}
-        pending, checked = list(tickets), set()
+        pending = list(tickets)
         while pending:
             left = self._poll_s if deadline is None else min(
                 self._poll_s, max(0.0, deadline - time.monotonic()))
@@ -91,9 +91,13 @@ class _RayChannel:
                 break  # fast path: everything finished inside one slice
             # Some ranks are still running: report any finished rank that failed now, since
             # its peers may be blocked on it forever (e.g. inside an all-reduce).
-            for t in ready:
-                self._get(t, rank_of[t], method)
-                checked.add(t)
+            failures = [f for t in ready if (f := self._failure(t, rank_of[t], method))]
+            if failures:
+                # A death often shows up first as a peer's gloo error: give close-behind
+                # failures one more slice to land, then report the root cause.
+                more, _ = ray.wait(pending, num_returns=len(pending), timeout=self._poll_s)
+                failures += [f for t in more if (f := self._failure(t, rank_of[t], method))]
+                raise _root_cause(failures)
             if deadline is not None and time.monotonic() >= deadline:
                 late = sorted(rank_of[t] for t in pending)
                 ident = self._identities[late[0]]
@@ -102,23 +106,28 @@ class _RayChannel:
                                   detail=f"ranks {late} still running after {timeout_s} s")
         try:
             values = ray.get(list(tickets))
-        except ray.exceptions.RayError:
-            values = [self._get(t, rank_of[t], method) for t in tickets]  # find who failed
-        return [check_outcome(v, self._identities[r], method)
-                for v, r in zip(values, ranks, strict=True)]
+        except ray.exceptions.RayError:  # someone died: find out who, without raising yet
+            values = [self._failure(t, rank_of[t], method) or ray.get(t) for t in tickets]
+        failures = [v for v in values if isinstance(v, WorkerError)]
+        failures += [f for v, r in zip(values, ranks, strict=True)
+                     if (f := failure_of(v, self._identities[r], method))]
+        if failures:
+            raise _root_cause(failures)
+        return values
 
-    def _get(self, ticket: ray.ObjectRef, rank: int, method: str) -> Any:
+    def _failure(self, ticket: ray.ObjectRef, rank: int, method: str) -> WorkerError | None:
+        """The error a finished call stands for, or None if it succeeded."""
         ident = self._identities[rank]
         try:
             value = ray.get(ticket)
         except ray.exceptions.RayActorError as exc:
-            raise WorkerError(role=ident.role, rank=rank, method=method, reason="died",
-                              remote_traceback=str(exc),
-                              detail="its process exited during the call") from None
+            return WorkerError(role=ident.role, rank=rank, method=method, reason="died",
+                               remote_traceback=str(exc),
+                               detail="its process exited during the call")
         except ray.exceptions.RayError as exc:
-            raise WorkerError(role=ident.role, rank=rank, method=method, reason="failed",
-                              remote_traceback=str(exc), detail=type(exc).__name__) from None
-        return check_outcome(value, ident, method)
+            return WorkerError(role=ident.role, rank=rank, method=method, reason="failed",
+                               remote_traceback=str(exc), detail=type(exc).__name__)
+        return failure_of(value, ident, method)
 
     def close(self) -> None:
         for actor in self.actors:
@@ -130,13 +139,16 @@ class RayBackend:
 
     Args:
         placement_timeout_s: how long to wait for a placement group before failing.
+        start_timeout_s: how long every rank of a role may take to start (a fresh process
+            that imports torch takes seconds, more on a loaded 2-core laptop).
         call_timeout_s: default bound on every group call (None: wait as long as workers live).
         poll_s: how often a waiting call checks for failed or dead ranks.
     """
 
-    def __init__(self, *, placement_timeout_s: float = 30.0,
+    def __init__(self, *, placement_timeout_s: float = 30.0, start_timeout_s: float = 180.0,
                  call_timeout_s: float | None = None, poll_s: float = 0.5) -> None:
         self.placement_timeout_s = placement_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.call_timeout_s = call_timeout_s
         self.poll_s = poll_s
 
@@ -199,14 +211,14 @@ class RayBackend:
         try:
             # Rank 0's node hosts the TCP store every rank meets at.
             where: Location = channel.gather(
-                [actors[0].locate.remote()], [0], "locate", self.placement_timeout_s)[0]
+                [actors[0].locate.remote()], [0], "locate", self.start_timeout_s)[0]
             rdv = Rendezvous(master_addr=where.node, master_port=where.free_port)
             planned = [make_identity(spec, slot, rdv) for slot in slots]
             channel = _RayChannel(actors, planned, self.poll_s)
             started = [a.start.remote(ident, spec.worker, dict(spec.init_kwargs), True)
                        for a, ident in zip(actors, planned, strict=True)]
             identities = channel.gather(started, range(len(slots)), "__init__",
-                                        self.placement_timeout_s)
+                                        self.start_timeout_s)
         except BaseException:
             channel.close()
             raise
@@ -214,6 +226,16 @@ class RayBackend:
                            identities=identities,
                            channel=_RayChannel(actors, identities, self.poll_s),
                            call_timeout_s=self.call_timeout_s)
+
+
+def _root_cause(failures: Sequence[WorkerError]) -> WorkerError:
+    """The failure to report when several ranks failed together: a death before an exception
+    (peers of a dead rank fail *because* of it), then the lowest rank; the others are listed."""
+    first = min(failures, key=lambda f: (f.reason != "died", f.rank))
+    others = [f"{f.role}[{f.rank}] {f.reason}" for f in failures if f is not first]
+    if others:
+        first.add_note("other ranks that failed with it: " + ", ".join(others))
+    return first
 
 
 def _check_fits(plan: PlacementPlan) -> None:

@@ -1,0 +1,112 @@
+"""Shared test harness: hardware markers, the session Ray fixture and the leak check.
+
+- `@pytest.mark.gpu(count=N)` / `@pytest.mark.vllm` tests skip with a reason where CUDA, N GPUs
+  or the vllm package are missing (the logic is `tests.helpers.hardware_skip_reason`).
+- `ray_session` starts one local Ray for the whole session (auth off, no dashboard).
+- `ray_cluster` is what a test asks for: after the test it fails the test if any actor or
+  placement group the test created is still alive, then restarts Ray so the leak cannot
+  poison later tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray worker processes inherit this, so they can import `tests.helpers` and `chapters.*`.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+from tests.helpers import hardware_skip_reason  # noqa: E402  (needs the path above)
+
+# Shared CI machines are noisy: a per-example deadline would flake, the test timeout guards.
+settings.register_profile("avrid", deadline=None, max_examples=50)
+settings.load_profile("avrid")
+
+RAY_CPUS = 16  # logical scheduling slots, not cores: enough for 2 roles x 8 workers
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    gpu = item.get_closest_marker("gpu")
+    needs_gpus = 0
+    if gpu is not None:
+        needs_gpus = int(gpu.kwargs.get("count", gpu.args[0] if gpu.args else 1))
+    needs_vllm = item.get_closest_marker("vllm") is not None
+    if not needs_gpus and not needs_vllm:
+        return
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    reason = hardware_skip_reason(needs_gpus=needs_gpus, needs_vllm=needs_vllm,
+                                  cuda_devices=cuda,
+                                  vllm_installed=importlib.util.find_spec("vllm") is not None)
+    if reason:
+        pytest.skip(reason)
+
+
+def _start_ray() -> None:
+    from avrid.workers import start_ray
+
+    start_ray(num_cpus=RAY_CPUS)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One Ray for the whole session; shut down in a finalizer even when tests fail."""
+    import ray
+
+    _start_ray()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _alive() -> tuple[set[str], set[str]]:
+    """Ids of live actors and placement groups, read straight from Ray's control store
+    (the public state API needs the dashboard, which tests keep off)."""
+    import ray
+    from ray._private import state
+
+    actors = {aid for aid, a in state.actors().items() if a["State"] != "DEAD"}
+    pgs = {pid for pid, p in ray.util.placement_group_table().items()
+           if p["state"] != "REMOVED"}
+    return actors, pgs
+
+
+@pytest.fixture
+def ray_cluster(ray_session: None) -> Iterator[None]:
+    """Ray for one test, failing the test if it leaks actors or placement groups."""
+    import ray
+
+    actors_before, pgs_before = _alive()
+    yield
+    # ray.kill and remove_placement_group are asynchronous: give them a moment to land.
+    deadline = time.monotonic() + 10
+    while True:
+        actors, pgs = _alive()
+        leaked_actors, leaked_pgs = actors - actors_before, pgs - pgs_before
+        if not (leaked_actors or leaked_pgs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if leaked_actors or leaked_pgs:
+        ray.shutdown()  # a clean slate for the tests after this one
+        _start_ray()
+        pytest.fail(f"test leaked {len(leaked_actors)} actors and {len(leaked_pgs)} "
+                    f"placement groups", pytrace=False)
+
+
+@pytest.fixture
+def python() -> str:
+    """The interpreter running the tests, for subprocess smoke runs."""
+    return sys.executable

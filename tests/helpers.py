@@ -1,0 +1,120 @@
+"""Worker classes and small helpers shared by the tests (importable by Ray workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from avrid.workers import Worker, WorkerIdentity
+
+
+def hardware_skip_reason(*, needs_gpus: int, needs_vllm: bool, cuda_devices: int,
+                         vllm_installed: bool) -> str:
+    """Why a gpu/vllm-marked test cannot run here, or "" if it can."""
+    if needs_gpus and cuda_devices < needs_gpus:
+        return f"needs {needs_gpus} CUDA GPU(s), found {cuda_devices}"
+    if needs_vllm and not vllm_installed:
+        return "needs the vllm package (pip install 'avrid[vllm]' on a CUDA machine)"
+    if needs_vllm and cuda_devices < 1:
+        return "needs vllm on a CUDA GPU, found none"
+    return ""
+
+
+class EchoWorker(Worker):
+    """Answers with values derived from its identity, so results show who ran what."""
+
+    def __init__(self, identity: WorkerIdentity, offset: int = 0) -> None:
+        super().__init__(identity)
+        self.offset = offset
+        self.calls = 0
+
+    def whoami(self) -> WorkerIdentity:
+        return self.identity
+
+    def add(self, x: int, y: int = 0) -> int:
+        self.calls += 1
+        return x + y + self.identity.rank + self.offset
+
+    def count(self) -> int:
+        return self.calls
+
+    def all_reduce_rank(self) -> float:
+        """Sum of (rank + 1) over the group, via gloo: proves the rendezvous is right."""
+        import torch  # imported here: only workers that use torch pay its ~2 s import
+        import torch.distributed as dist
+
+        group = self.init_distributed(timeout_s=30)
+        t = torch.tensor([float(self.identity.rank + 1)])
+        dist.all_reduce(t, group=group)
+        self.destroy_distributed()
+        return t.item()
+
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    def fail_on_rank(self, rank: int) -> int:
+        if self.identity.rank == rank:
+            raise KeyError(f"rank {rank} refuses")
+        return self.identity.rank
+
+    def die(self) -> None:
+        os._exit(7)
+
+    def die_in_collective(self, victim: int) -> float:
+        """Every rank but `victim` enters an all-reduce that can never complete."""
+        import torch
+        import torch.distributed as dist
+
+        group = self.init_distributed(timeout_s=120)
+        if self.identity.rank == victim:
+            time.sleep(0.3)
+            os._exit(9)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        return t.item()
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def _private(self) -> None:
+        pass
+
+
+class OtherWorker(Worker):
+    """A different class: its methods must not be callable on an EchoWorker group."""
+
+    def add(self, x: int) -> int:
+        return x
+
+
+class BrokenInitWorker(Worker):
+    """Fails in its constructor on rank 1."""
+
+    def __init__(self, identity: WorkerIdentity) -> None:
+        super().__init__(identity)
+        if identity.rank == 1:
+            raise RuntimeError("cannot load model on this rank")
+
+
+class CudaWorker(Worker):
+    """GPU-tier helpers: which device a worker sees, and an NCCL all-reduce."""
+
+    def cuda_device(self) -> dict[str, object]:
+        import torch
+
+        x = torch.ones(4, device="cuda")  # proves the worker can really use its GPU
+        return {"devices": self.identity.devices,
+                "uuid": str(torch.cuda.get_device_properties(0).uuid),
+                "sum": float(x.sum().item()),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def nccl_all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        group = self.init_distributed(backend="nccl", timeout_s=60)
+        t = torch.tensor([float(self.identity.rank + 1)], device="cuda")
+        dist.all_reduce(t, group=group)
+        self.destroy_distributed()
+        return float(t.item())

@@ -1,0 +1,58 @@
+"""Chapter demos and notebooks run end to end on CPU, as a learner would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_chapter_1_demo_runs_on_cpu() -> None:
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "chapters.ch01_workers"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=200, env=os.environ.copy())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "all-reduce" in run.stdout.lower()
+    assert time.monotonic() - start < 200
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_cells_fit_on_video(path: Path) -> None:
+    nb = json.loads(path.read_text())
+    wide = [line for cell in nb["cells"] if cell["cell_type"] == "code"
+            for line in "".join(cell["source"]).splitlines() if len(line) > 80]
+    assert not wide, f"{path.name}: code lines wider than 80 characters: {wide}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path: Path) -> None:
+    import nbclient
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
+                                     resources={"metadata": {"path": str(ROOT)}})
+    client.execute()  # raises CellExecutionError naming the failing cell
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
+
+
+def test_there_is_one_notebook_per_chapter() -> None:
+    chapters = sorted(p.name for p in (ROOT / "chapters").iterdir()
+                      if p.is_dir() and p.name.startswith("ch"))
+    numbers = {p.stem[:2] for p in NOTEBOOKS}
+    assert chapters, "no chapters found"
+    assert {c[2:4] for c in chapters} <= numbers, (chapters, NOTEBOOKS)
