@@ -12,6 +12,7 @@ needs the repository that avrid was installed from (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -56,10 +57,18 @@ def main(argv: list[str] | None = None) -> None:
                   f"notebook: notebooks/{pkg[2:4]}_{pkg.split('_', 1)[1]}.ipynb")
         return
     packages = _resolve(args.chapter)
-    sys.path.insert(0, str(_checkout_root()))
+    root = str(_checkout_root())
+    sys.path.insert(0, root)
+    # Ray workers are new processes: they find `chapters.*` through PYTHONPATH, not sys.path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     for pkg in packages:
         print(f"=== chapters.{pkg} ===", flush=True)
-        runpy.run_module(f"chapters.{pkg}", run_name="__main__", alter_sys=True)
+        try:
+            runpy.run_module(f"chapters.{pkg}", run_name="__main__", alter_sys=True)
+        except SystemExit as done:  # a demo's `raise SystemExit(main())` must not end the loop
+            if done.code not in (None, 0):
+                raise
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ W = TypeVar("W")
 
 
 def make_identity(spec: RoleSpec, slot: Slot, rendezvous: Rendezvous | None) -> WorkerIdentity:
-    """The identity of one rank, before it is placed (node and devices are filled in by the
-    host once it runs)."""
+    """The identity of one rank, before it is placed (the backend fills in node and devices
+    once the worker runs somewhere)."""
     return WorkerIdentity(role=spec.role, rank=slot.rank, world_size=spec.world_size,
                           coords=spec.mesh.coords(slot.rank), pool=slot.pool,
                           bundle=slot.bundle, local_rank=slot.local_rank,

@@ -10,8 +10,8 @@ checker checks the arguments of `call` against its signature (ParamSpec). At run
 checks that the function really belongs to the worker class and sends only its name. Compare
 verl, which binds generated methods onto the group by scanning `dir()` of the worker class.
 
-The group is backend-agnostic: a `Channel` (Ray actors, or in-process hosts) moves the call and
-gathers the outcomes. This file does not place or start workers (`backend.py` does that) and
+The group is backend-agnostic: a `Channel` (Ray actors, or workers in this process) moves the
+call and gathers the outcomes. This file does not place or start workers (the backends do) and
 does not split data (chapter 2's dispatch does).
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,8 +53,9 @@ class WorkerIdentity:
     """Global rank inside its role's group, 0 <= rank < world_size."""
     world_size: int
     """Number of workers in the role's group."""
-    coords: Mapping[str, int] = field(default_factory=dict)
-    """Mesh coordinates of this rank, e.g. {"dp": 1, "tp": 0}; see `Mesh.coords`."""
+    coords: Mapping[str, int] = field(default_factory=dict, hash=False)
+    """Mesh coordinates of this rank, e.g. {"dp": 1, "tp": 0}; see `Mesh.coords`. Stored as a
+    read-only mapping so the identity stays immutable (Ray's cloudpickle carries it)."""
     pool: str = ""
     """Name of the resource pool (placement group) the worker was placed in."""
     bundle: int = 0
@@ -66,6 +68,10 @@ class WorkerIdentity:
     """Accelerator ids the worker may use (e.g. ("0",)); empty on CPU."""
     rendezvous: Rendezvous | None = None
     """Where to meet the group's other ranks for torch.distributed; None before it is known."""
+
+    def __post_init__(self) -> None:
+        # A frozen dataclass still holds whatever mapping it was given; copy it read-only.
+        object.__setattr__(self, "coords", MappingProxyType(dict(self.coords)))
 
     @property
     def name(self) -> str:

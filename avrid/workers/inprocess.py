@@ -20,26 +20,27 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from typing import Any
 
 from avrid.workers.cluster import Cluster, make_identity
 from avrid.workers.errors import WorkerError
 from avrid.workers.group import WorkerGroup
-from avrid.workers.host import WorkerHost, check_outcome, free_port
 from avrid.workers.identity import Rendezvous, WorkerIdentity
+from avrid.workers.outcome import capture, check_outcome, free_port
 from avrid.workers.placement import PlacementPlan, RoleSpec
 
 
 class _SequentialChannel:
     """Runs each call immediately, in the caller's thread; the ticket is the outcome."""
 
-    def __init__(self, hosts: Sequence[WorkerHost], identities: Sequence[WorkerIdentity]):
-        self._hosts = hosts
+    def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity]):
+        self._workers = workers
         self._identities = identities
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
-        return self._hosts[rank].call(method, *args, **kwargs)
+        return capture(getattr(self._workers[rank], method), *args, **kwargs)
 
     def gather(self, tickets: Sequence[Any], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
@@ -53,15 +54,16 @@ class _SequentialChannel:
 class _ThreadChannel:
     """One single-thread executor per rank: calls to one rank run in order, ranks in parallel."""
 
-    def __init__(self, hosts: Sequence[WorkerHost], identities: Sequence[WorkerIdentity]):
-        self._hosts = hosts
+    def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity]):
+        self._workers = workers
         self._identities = identities
         self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=ident.name)
                        for ident in identities]
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Future[Any]:
-        return self._pools[rank].submit(self._hosts[rank].call, method, *args, **kwargs)
+        fn = getattr(self._workers[rank], method)
+        return self._pools[rank].submit(capture, fn, *args, **kwargs)
 
     def gather(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
@@ -118,13 +120,14 @@ class InProcessBackend:
         can_meet = self.concurrent or spec.world_size == 1
         rdv = (Rendezvous(master_addr="127.0.0.1", master_port=free_port(), in_process=True)
                if can_meet else None)
-        hosts, identities = [], []
+        workers, identities = [], []
         for slot in plan.slots_of(spec.role):
-            host, planned = WorkerHost(), make_identity(spec, slot, rdv)
-            started = host.start(planned, spec.worker, spec.init_kwargs, export_env=False)
-            hosts.append(host)
-            identities.append(check_outcome(started, planned, "__init__"))
+            # Everything runs here, so "where it landed" is known before construction.
+            ident = replace(make_identity(spec, slot, rdv), node="127.0.0.1")
+            built = capture(spec.worker, ident, **spec.init_kwargs)
+            workers.append(check_outcome(built, ident, "__init__"))
+            identities.append(ident)
         channel_cls = _ThreadChannel if self.concurrent else _SequentialChannel
         return WorkerGroup(role=spec.role, worker_cls=spec.worker, mesh=spec.mesh,
-                           identities=identities, channel=channel_cls(hosts, identities),
+                           identities=identities, channel=channel_cls(workers, identities),
                            call_timeout_s=self.call_timeout_s)

@@ -172,7 +172,8 @@ class PlacementPlan:
         """A table: one line per bundle with the roles and shares placed on it."""
         lines = []
         for p in self.pools:
-            lines.append(f"pool {p.name!r} ({p.strategy}, {len(p.bundles)} bundles)")
+            n = len(p.bundles)
+            lines.append(f"pool {p.name!r} ({p.strategy}, {n} bundle{'s' * (n != 1)})")
             for b, bundle in enumerate(p.bundles):
                 held = [f"{s.role}[{s.rank}] ({s.cpus:g} CPU, {s.gpus:g} GPU)"
                         for s in self.slots if s.pool == p.name and s.bundle == b]

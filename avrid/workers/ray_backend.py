@@ -5,13 +5,14 @@
 2. reserves one placement group per pool and waits a bounded time for it (a pool that fits in
    total but not per node — say STRICT_PACK over two half-full nodes — fails here, with what
    was asked and what is free, instead of waiting forever);
-3. per role, starts one `WorkerHost` actor per rank in its bundle (fractional GPU shares for
-   colocated roles), asks rank 0 where it landed to pick the torch.distributed rendezvous,
-   then builds every rank's worker with its identity.
+3. per role, asks rank 0's bundle for the torch.distributed rendezvous (its node IP and a free
+   port), then starts one actor *of the worker class itself* per rank in its bundle
+   (fractional GPU shares for colocated roles), each built with its identity.
 
-Calls go out as ordinary actor calls; `_RayChannel.gather` waits in short slices so that a rank
-that raised or whose process died is reported within about a second — even while its peers
-are blocked in a collective waiting for it — and a stuck call ends at its timeout.
+Calls go out as ordinary actor method calls (``actor.step.remote(...)``); `_RayChannel.gather`
+waits in short slices so that a rank that raised or whose process died is reported within about
+a second — even while its peers are blocked in a collective waiting for it — and a stuck call
+ends at its timeout.
 
 Not here: how data is split (chapter 2) or how results are merged (chapter 3).
 """
@@ -19,9 +20,11 @@ Not here: how data is split (chapter 2) or how results are merged (chapter 3).
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -31,9 +34,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from avrid.workers.cluster import Cluster, make_identity
 from avrid.workers.errors import PlacementError, WorkerError
 from avrid.workers.group import WorkerGroup
-from avrid.workers.host import Location, WorkerHost, failure_of
 from avrid.workers.identity import Rendezvous, WorkerIdentity
+from avrid.workers.outcome import free_port
 from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
+from avrid.workers.worker import Worker
 
 
 def start_ray(*, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
@@ -52,16 +56,22 @@ def start_ray(*, num_cpus: int | None = None, num_gpus: int | None = None) -> No
              include_dashboard=False, log_to_driver=True, configure_logging=False)
 
 
-class RayWorkerHost(WorkerHost):
-    """A `WorkerHost` that reads its node IP and GPU ids from Ray's runtime context."""
-
-    def locate(self) -> Location:
-        ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        return Location(node=ray.util.get_node_ip_address(), devices=tuple(ids),
-                        free_port=super().locate().free_port)
+@ray.remote(num_cpus=0)
+def _rendezvous_here() -> Rendezvous:
+    """Runs in rank 0's bundle: that node's IP and a port free on it host the TCP store."""
+    return Rendezvous(master_addr=ray.util.get_node_ip_address(), master_port=free_port())
 
 
-_RemoteHost = ray.remote(RayWorkerHost)
+def _record_placement(worker: Worker) -> WorkerIdentity:
+    """Runs inside a freshly built actor: complete its identity with the node it landed on
+    and the GPU ids Ray gave it (neither is known before the actor is placed)."""
+    gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    worker.identity = replace(worker.identity, node=ray.util.get_node_ip_address(),
+                              devices=tuple(gpus))
+    return worker.identity
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
 
 
 class _RayChannel:
@@ -75,8 +85,8 @@ class _RayChannel:
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> ray.ObjectRef:
-        # Arguments go top level, so Ray resolves ObjectRefs among them before the call runs.
-        return self.actors[rank].call.remote(method, *args, **kwargs)
+        # An ordinary actor call: Ray resolves ObjectRefs among the arguments before it runs.
+        return getattr(self.actors[rank], method).remote(*args, **kwargs)
 
     def gather(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
@@ -105,29 +115,33 @@ class _RayChannel:
                                   reason="timeout", remote_traceback="",
                                   detail=f"ranks {late} still running after {timeout_s} s")
         try:
-            values = ray.get(list(tickets))
-        except ray.exceptions.RayError:  # someone died: find out who, without raising yet
-            values = [self._failure(t, rank_of[t], method) or ray.get(t) for t in tickets]
-        failures = [v for v in values if isinstance(v, WorkerError)]
-        failures += [f for v, r in zip(values, ranks, strict=True)
-                     if (f := failure_of(v, self._identities[r], method))]
-        if failures:
-            raise _root_cause(failures)
-        return values
+            return ray.get(list(tickets))
+        except ray.exceptions.RayError:  # someone failed: find out who, and the root cause
+            failures = [f for t in tickets if (f := self._failure(t, rank_of[t], method))]
+            raise _root_cause(failures) from None
 
     def _failure(self, ticket: ray.ObjectRef, rank: int, method: str) -> WorkerError | None:
         """The error a finished call stands for, or None if it succeeded."""
         ident = self._identities[rank]
         try:
-            value = ray.get(ticket)
+            ray.get(ticket)
+        except ray.exceptions.RayTaskError as exc:  # the method raised: Ray carries it over
+            return WorkerError(role=ident.role, rank=rank, method=method, reason="raised",
+                               detail=type(exc.cause).__name__,
+                               remote_traceback=_ANSI.sub("", str(exc)))
         except ray.exceptions.RayActorError as exc:
+            if getattr(exc, "actor_init_failed", False):  # the constructor raised
+                return WorkerError(role=ident.role, rank=rank, method="__init__",
+                                   reason="raised", remote_traceback=_ANSI.sub("", str(exc)),
+                                   detail="the worker's constructor failed")
             return WorkerError(role=ident.role, rank=rank, method=method, reason="died",
-                               remote_traceback=str(exc),
+                               remote_traceback=_ANSI.sub("", str(exc)),
                                detail="its process exited during the call")
         except ray.exceptions.RayError as exc:
             return WorkerError(role=ident.role, rank=rank, method=method, reason="failed",
-                               remote_traceback=str(exc), detail=type(exc).__name__)
-        return failure_of(value, ident, method)
+                               remote_traceback=_ANSI.sub("", str(exc)),
+                               detail=type(exc).__name__)
+        return None
 
     def close(self) -> None:
         for actor in self.actors:
@@ -196,28 +210,28 @@ class RayBackend:
     def _start_role(self, plan: PlacementPlan, spec: RoleSpec,
                     pg: PlacementGroup) -> WorkerGroup:
         slots = plan.slots_of(spec.role)
-        actors = [
-            _RemoteHost.options(
-                num_cpus=slot.cpus, num_gpus=slot.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=slot.bundle,
-                    # Child actors (e.g. vLLM's own Ray workers) stay inside this reservation.
-                    placement_group_capture_child_tasks=True),
-            ).remote()
-            for slot in slots
-        ]
-        planned = [make_identity(spec, slot, None) for slot in slots]
+
+        def in_bundle(bundle: int) -> PlacementGroupSchedulingStrategy:
+            # capture_child_tasks: actors a worker starts itself (e.g. vLLM's Ray workers)
+            # stay inside this reservation.
+            return PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle,
+                placement_group_capture_child_tasks=True)
+
+        # The TCP store lives with rank 0, so ask its bundle's node for an address and port.
+        rdv = ray.get(_rendezvous_here.options(scheduling_strategy=in_bundle(slots[0].bundle))
+                      .remote(), timeout=self.start_timeout_s)
+        planned = [make_identity(spec, slot, rdv) for slot in slots]
+        # Each rank is an actor of the worker class itself: calls are its real methods.
+        actor_cls = ray.remote(spec.worker)
+        actors = [actor_cls.options(num_cpus=slot.cpus, num_gpus=slot.gpus,
+                                    scheduling_strategy=in_bundle(slot.bundle))
+                  .remote(ident, **spec.init_kwargs)
+                  for slot, ident in zip(slots, planned, strict=True)]
         channel = _RayChannel(actors, planned, self.poll_s)
         try:
-            # Rank 0's node hosts the TCP store every rank meets at.
-            where: Location = channel.gather(
-                [actors[0].locate.remote()], [0], "locate", self.start_timeout_s)[0]
-            rdv = Rendezvous(master_addr=where.node, master_port=where.free_port)
-            planned = [make_identity(spec, slot, rdv) for slot in slots]
-            channel = _RayChannel(actors, planned, self.poll_s)
-            started = [a.start.remote(ident, spec.worker, dict(spec.init_kwargs), True)
-                       for a, ident in zip(actors, planned, strict=True)]
-            identities = channel.gather(started, range(len(slots)), "__init__",
+            placed = [a.__ray_call__.remote(_record_placement) for a in actors]
+            identities = channel.gather(placed, range(len(slots)), "__init__",
                                         self.start_timeout_s)
         except BaseException:
             channel.close()

@@ -1,9 +1,9 @@
 """Chapter 1 — `Worker`: the base class of every role's code (actor, critic, rollout, ...).
 
-A worker is an ordinary Python class. It is constructed with its `WorkerIdentity` and its
-methods are plain methods: the driver calls them by naming them (``group.call(MyWorker.step,
-x)``), so "go to definition" and a type checker follow every call. Nothing here is rewritten,
-registered or scanned.
+A worker is an ordinary Python class — on Ray, each rank is one actor of exactly this class. It
+is constructed with its `WorkerIdentity` and its methods are plain methods: the driver calls
+them by naming them (``group.call(MyWorker.step, x)``), so "go to definition" and a type checker
+follow every call. Nothing here is rewritten, registered or scanned.
 
 The one service the base class gives is `init_distributed`: joining the group's
 torch.distributed process group from the rendezvous in the identity, the same way on Ray
@@ -13,6 +13,7 @@ builds its own gloo group object). Worker code then always passes ``group=self.p
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,12 @@ class Worker:
     def __init__(self, identity: WorkerIdentity) -> None:
         self.identity = identity
         self._process_group: ProcessGroup | None = None
+        rdv = identity.rendezvous
+        if rdv is not None and not rdv.in_process:
+            # This worker owns its process (Ray: one actor per rank), so it can export what
+            # torch.distributed and libraries built on it (vLLM, FSDP) read: RANK, WORLD_SIZE,
+            # LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Threads of one process could not.
+            os.environ.update(identity.torch_env())
 
     @property
     def process_group(self) -> ProcessGroup:
@@ -76,8 +83,8 @@ class Worker:
             self._process_group = dist.ProcessGroupGloo(store, ident.rank, ident.world_size,
                                                         timeout)
         else:
-            # One process per rank: the standard env:// rendezvous. The host process already
-            # exported RANK, WORLD_SIZE, MASTER_ADDR, ... from the identity.
+            # One process per rank: the standard env:// rendezvous, from the variables that
+            # __init__ exported from the identity.
             dist.init_process_group(backend, timeout=timeout)
             self._process_group = dist.group.WORLD
         return self._process_group
