@@ -35,6 +35,11 @@ class EchoWorker(Worker):
         self.calls += 1
         return x + y + self.identity.rank + self.offset
 
+    def torch_env(self) -> dict[str, str | None]:
+        """The rendezvous variables as this worker's process sees them."""
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        return {k: os.environ.get(k) for k in names}
+
     def count(self) -> int:
         return self.calls
 

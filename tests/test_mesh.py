@@ -67,3 +67,19 @@ def test_mesh_errors_are_clear() -> None:
         Mesh.of(dp=2).coords(2)
     with pytest.raises(MeshError, match="needs exactly the axes"):
         Mesh.of(dp=2, tp=2).rank_of(dp=1)
+
+
+def test_a_group_whose_mesh_does_not_match_its_workers_fails_at_once() -> None:
+    import time
+
+    from avrid.workers import WorkerGroup, WorkerIdentity
+    from tests.helpers import EchoWorker
+
+    # RoleSpec derives the world size from the mesh, so this can only happen when a group is
+    # wired by hand; it must still fail before any call is made.
+    idents = [WorkerIdentity(role="actor", rank=r, world_size=3) for r in range(3)]
+    start = time.monotonic()
+    with pytest.raises(MeshError, match=r"mesh dp=2 x tp=2 covers 4 ranks but the group has 3"):
+        WorkerGroup(role="actor", worker_cls=EchoWorker, mesh=Mesh.of(dp=2, tp=2),
+                    identities=idents, channel=None)  # type: ignore[arg-type]
+    assert time.monotonic() - start < 0.1

@@ -36,6 +36,24 @@ def echo_plan(n: int, pool: ResourcePool | None = None, worker: type = EchoWorke
                                             pool=pool.name)])
 
 
+def test_each_rank_process_exports_the_torch_rendezvous_from_its_identity() -> None:
+    pool = ResourcePool(name="node", bundles=(Bundle(cpus=2),) * 2)
+    plan = plan_placement([pool], [RoleSpec(role="actor", worker=EchoWorker,
+                                            mesh=Mesh.of(dp=2, tp=2), pool="node",
+                                            workers_per_bundle=2)])
+    with _backend().launch(plan) as cluster:
+        group = cluster.group("actor", EchoWorker)
+        envs = group.call(EchoWorker.torch_env)
+        idents = group.identities
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]  # index inside the bundle
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    rdv = idents[0].rendezvous
+    assert rdv is not None and rdv.master_addr == idents[0].node
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {
+        (rdv.master_addr, str(rdv.master_port))}
+
+
 def test_a_worker_that_dies_mid_call_is_reported_within_10_s() -> None:
     with _backend().launch(echo_plan(2)) as cluster:
         group = cluster.group("actor", EchoWorker)
