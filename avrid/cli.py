@@ -20,6 +20,7 @@ from pathlib import Path
 # (package under chapters/, video topic) — one line per chapter that exists so far.
 CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch01_workers", "Ray basics, worker identity, the mesh and placement groups"),
+    ("ch02_dispatch", "token-aware dispatch: balanced shards, token-budget micro-batches"),
 )
 
 

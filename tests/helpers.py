@@ -123,3 +123,24 @@ class CudaWorker(Worker):
         dist.all_reduce(t, group=group)
         self.destroy_distributed()
         return float(t.item())
+
+
+class ShardWorker(Worker):
+    """Chapter 2 test worker: walks its shard micro-batch by micro-batch and returns per-sample
+    outputs (tokens x 10 + rank) as a Batch in the shard's order."""
+
+    def score(self, shard: object, bonus: int = 0) -> object:
+        import torch
+
+        from avrid.dispatch import Batch, Shard
+
+        assert isinstance(shard, Shard)
+        if shard.index != self.identity.coords["dp"]:
+            raise ValueError(f"got shard {shard.index} at dp={self.identity.coords['dp']}")
+        outs = []
+        for mb in shard.micro_batches():
+            out = mb.total_lens * 10 + self.identity.coords["dp"] + bonus
+            outs.append(Batch(sample_ids=mb.sample_ids, prompt_lens=mb.prompt_lens,
+                              response_lens=mb.response_lens,
+                              scalars={"score": out.to(torch.float32)}))
+        return Batch.concat(outs)

@@ -67,3 +67,15 @@ def test_readme_first_taste_runs() -> None:
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "hello you from greeter[1], dp=1" in run.stdout
+
+
+def test_readme_file_tree_lists_every_tracked_file() -> None:
+    run = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30)
+    if run.returncode != 0:
+        pytest.skip("not a git checkout, so there is no list of tracked files to compare")
+    tracked = {f for f in run.stdout.split() if f not in {".gitignore", "README.md"}}
+    tree = (ROOT / "README.md").read_text().split("## Files", 1)[1].split("```")[1]
+    listed = {line.split()[0] for line in tree.splitlines() if line.strip()}
+    assert tracked - listed == set(), "files missing from the README tree"
+    assert listed - tracked == set(), "README tree names files that do not exist"

@@ -45,6 +45,11 @@ class Channel(Protocol):
         as one rank raised or died, or when `timeout_s` passes with ranks still running."""
         ...
 
+    def put(self, value: Any) -> Any:
+        """Store `value` once where every rank can read it; return what to pass instead
+        (a Ray ObjectRef, resolved before the method runs; in-process, the value itself)."""
+        ...
+
     def close(self) -> None:
         """Release the workers (kill actors / stop threads)."""
         ...
@@ -125,6 +130,12 @@ class WorkerGroup(Generic[W]):
             if not 0 <= r < self.world_size:
                 raise ValueError(f"{self.role}: rank {r} outside 0..{self.world_size - 1}")
         return self._send(method, [(r, args, kwargs) for r in ranks]).result(self.call_timeout_s)
+
+    def put(self, value: Any) -> Any:
+        """Store `value` once for many calls: pass the returned handle as an argument (to
+        several ranks, e.g. the TP replicas of one DP shard) instead of the value itself, so
+        it is serialised once, not once per rank."""
+        return self._channel.put(value)
 
     def _send(self, method: Callable[..., Any],
               calls: Sequence[tuple[int, tuple[Any, ...], dict[str, Any]]]) -> PendingCall[Any]:

@@ -120,6 +120,9 @@ class _RayChannel:
             failures = [f for t in tickets if (f := self._failure(t, rank_of[t], method))]
             raise _root_cause(failures) from None
 
+    def put(self, value: Any) -> ray.ObjectRef:
+        return ray.put(value)  # serialised once into the object store; ranks fetch it
+
     def _failure(self, ticket: ray.ObjectRef, rank: int, method: str) -> WorkerError | None:
         """The error a finished call stands for, or None if it succeeded."""
         ident = self._identities[rank]

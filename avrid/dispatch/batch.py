@@ -1,0 +1,223 @@
+"""Chapter 2 — the atomic unit of dispatch: one sequence, and a packed batch of them.
+
+A sample is one sequence (prompt + response) with a stable `sample_id` and its token counts.
+A `Batch` holds n samples column-wise:
+
+- per-sample scalar columns, shape (n, ...): rewards, values, advantages of a sequence;
+- packed variable-length columns (`Packed`): all samples' rows laid end to end in one flat
+  tensor plus n+1 offsets — token ids, log-probs, per-token masks. Nothing is padded to the
+  longest sample, so a batch with one 8k-token outlier costs 8k tokens, not n x 8k.
+
+Slicing by sample ids, by positions, or by a contiguous range, and concatenation, all keep the
+ids with their rows, so any reordering can be undone. A batch may be empty (a shard that got no
+samples is an empty batch with the same columns). A batch is checked when it is made:
+columns that disagree in length, duplicate ids or impossible lengths fail with a message
+naming the column. This file knows nothing about shards, costs or workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+
+def _as_index(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Packed:
+    """A variable-length column: row i is ``values[offsets[i]:offsets[i + 1]]``.
+
+    Example:
+        >>> col = Packed.from_rows([torch.tensor([1, 2, 3]), torch.tensor([4])])
+        >>> col.offsets.tolist(), col.row(1).tolist()
+        ([0, 3, 4], [4])
+    """
+
+    values: torch.Tensor
+    """(total_rows_length, *feature) — every row's elements, end to end."""
+    offsets: torch.Tensor
+    """(n + 1,) int64, starts at 0, non-decreasing, ends at ``len(values)``."""
+
+    def __post_init__(self) -> None:
+        off = self.offsets
+        if off.dtype != torch.int64 or off.dim() != 1 or len(off) < 1:
+            raise ValueError(f"offsets must be a 1-D int64 tensor of n + 1 entries, got "
+                             f"dtype {off.dtype} and shape {tuple(off.shape)}")
+        if off[0] != 0 or off[-1] != len(self.values) or bool((off[1:] < off[:-1]).any()):
+            raise ValueError(f"offsets must start at 0, never decrease and end at the "
+                             f"{len(self.values)} packed values; got {off.tolist()[:8]}...")
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[torch.Tensor]) -> Packed:
+        """Pack a list of tensors (same trailing shape, any first-dim length)."""
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        values = torch.cat(list(rows)) if rows else torch.zeros(0)
+        return cls(values=values, offsets=offsets)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(n,) length of each row."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row `i` as a view (no copy)."""
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    def take(self, positions: torch.Tensor) -> Packed:
+        """Rows at `positions`, in that order, packed anew (one gather, no Python loop)."""
+        lengths = self.lengths[positions]
+        offsets = torch.zeros(len(positions) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        # Element j of the output comes from start[row(j)] + (j - offsets[row(j)]).
+        shift = torch.repeat_interleave(self.offsets[:-1][positions] - offsets[:-1], lengths)
+        index = torch.arange(int(offsets[-1])) + shift
+        return Packed(values=self.values[index], offsets=offsets)
+
+    def slice(self, start: int, stop: int) -> Packed:
+        """Rows start..stop-1 as views of this column's memory (no copy)."""
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        return Packed(values=self.values[lo:hi], offsets=self.offsets[start:stop + 1] - lo)
+
+    @staticmethod
+    def concat(parts: Sequence[Packed]) -> Packed:
+        """Rows of every part, in order."""
+        shifts = torch.tensor([0] + [len(p.values) for p in parts], dtype=torch.int64).cumsum(0)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64)]
+                            + [p.offsets[1:] + s for p, s in zip(parts, shifts, strict=False)])
+        return Packed(values=torch.cat([p.values for p in parts]), offsets=offsets)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Batch:
+    """n samples: ids, token counts, packed per-token columns and per-sample columns.
+
+    Example:
+        >>> b = Batch.from_rows(sample_ids=[7, 3], prompt_lens=[2, 1], response_lens=[1, 2],
+        ...     packed={"tokens": [torch.tensor([5, 6, 9]), torch.tensor([5, 8, 8])]},
+        ...     scalars={"reward": torch.tensor([1.0, 0.0])})
+        >>> b.select([3]).packed["tokens"].row(0).tolist()
+        [5, 8, 8]
+    """
+
+    sample_ids: torch.Tensor
+    """(n,) int64, unique: the stable identity of each sample across every reordering."""
+    prompt_lens: torch.Tensor
+    """(n,) int64 >= 1 — prompt tokens of each sequence."""
+    response_lens: torch.Tensor
+    """(n,) int64 >= 0 — response tokens of each sequence."""
+    packed: Mapping[str, Packed] = field(default_factory=dict)
+    """Variable-length columns, each with n rows (e.g. "tokens", "logprobs")."""
+    scalars: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Per-sample columns, each of shape (n, ...) (e.g. "reward", "value")."""
+
+    def __post_init__(self) -> None:
+        n = len(self.sample_ids)
+        for name in ("sample_ids", "prompt_lens", "response_lens"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.dim() != 1 or len(t) != n:
+                raise ValueError(f"column {name!r} must be a 1-D int64 tensor of {n} entries "
+                                 f"(one per sample), got dtype {t.dtype}, shape {tuple(t.shape)}")
+        if len(torch.unique(self.sample_ids)) != n:
+            ids, counts = torch.unique(self.sample_ids, return_counts=True)
+            raise ValueError(f"sample ids must be unique; repeated: {ids[counts > 1].tolist()}")
+        for name, lens, low in (("prompt_lens", self.prompt_lens, 1),
+                                ("response_lens", self.response_lens, 0)):
+            bad = (lens < low).nonzero().flatten()
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(f"{name} must be >= {low}; sample {int(self.sample_ids[i])} "
+                                 f"has {int(lens[i])} ({len(bad)} such samples)")
+        for name, col in {**self.packed, **self.scalars}.items():
+            if len(col) != n:
+                raise ValueError(f"column {name!r} has {len(col)} rows but the batch has {n} "
+                                 f"samples; every column needs one row per sample")
+        # Frozen all the way down: copy the column maps read-only (Ray's cloudpickle carries them).
+        object.__setattr__(self, "packed", MappingProxyType(dict(self.packed)))
+        object.__setattr__(self, "scalars", MappingProxyType(dict(self.scalars)))
+
+    @classmethod
+    def from_rows(cls, *, sample_ids: Sequence[int], prompt_lens: Sequence[int],
+                  response_lens: Sequence[int],
+                  packed: Mapping[str, Sequence[torch.Tensor]] | None = None,
+                  scalars: Mapping[str, Sequence[float] | torch.Tensor] | None = None) -> Batch:
+        """Build a batch from per-sample Python values and per-sample tensors."""
+        return cls(sample_ids=_as_index(sample_ids), prompt_lens=_as_index(prompt_lens),
+                   response_lens=_as_index(response_lens),
+                   packed={k: Packed.from_rows(v) for k, v in (packed or {}).items()},
+                   scalars={k: torch.as_tensor(v) for k, v in (scalars or {}).items()})
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def total_lens(self) -> torch.Tensor:
+        """(n,) prompt + response tokens of each sequence."""
+        return self.prompt_lens + self.response_lens
+
+    def take(self, positions: Sequence[int] | torch.Tensor) -> Batch:
+        """The samples at `positions` (0..n-1), in that order."""
+        pos = _as_index(positions)
+        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(self)):
+            raise IndexError(f"positions must lie in 0..{len(self) - 1}")
+        return Batch(sample_ids=self.sample_ids[pos], prompt_lens=self.prompt_lens[pos],
+                     response_lens=self.response_lens[pos],
+                     packed={k: v.take(pos) for k, v in self.packed.items()},
+                     scalars={k: v[pos] for k, v in self.scalars.items()})
+
+    def select(self, sample_ids: Sequence[int] | torch.Tensor) -> Batch:
+        """The samples with these ids, in the order given; unknown ids are an error."""
+        want = _as_index(sample_ids)
+        order = torch.argsort(self.sample_ids)
+        where = torch.searchsorted(self.sample_ids[order], want).clamp(max=max(len(self) - 1, 0))
+        found = (self.sample_ids[order][where] == want) if len(self) else want != want
+        if not bool(found.all()):
+            raise KeyError(f"sample ids not in this batch: {want[~found].tolist()}")
+        return self.take(order[where])
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Samples start..stop-1 as views of this batch's memory (a micro-batch, no copy)."""
+        return Batch(sample_ids=self.sample_ids[start:stop],
+                     prompt_lens=self.prompt_lens[start:stop],
+                     response_lens=self.response_lens[start:stop],
+                     packed={k: v.slice(start, stop) for k, v in self.packed.items()},
+                     scalars={k: v[start:stop] for k, v in self.scalars.items()})
+
+    @staticmethod
+    def concat(parts: Sequence[Batch]) -> Batch:
+        """All samples of `parts`, in order; the parts must have the same columns."""
+        if not parts:
+            raise ValueError("concat needs at least one batch")
+        names = (set(parts[0].packed), set(parts[0].scalars))
+        for p in parts[1:]:
+            if (set(p.packed), set(p.scalars)) != names:
+                raise ValueError(f"cannot concat batches with different columns: "
+                                 f"{sorted(names[0] | names[1])} vs "
+                                 f"{sorted(set(p.packed) | set(p.scalars))}")
+        return Batch(sample_ids=torch.cat([p.sample_ids for p in parts]),
+                     prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+                     response_lens=torch.cat([p.response_lens for p in parts]),
+                     packed={k: Packed.concat([p.packed[k] for p in parts]) for k in names[0]},
+                     scalars={k: torch.cat([p.scalars[k] for p in parts]) for k in names[1]})
+
+    def equals(self, other: Batch) -> bool:
+        """Same ids, lengths and column values, in the same order (tensors compared exactly)."""
+        same = (torch.equal(self.sample_ids, other.sample_ids)
+                and torch.equal(self.prompt_lens, other.prompt_lens)
+                and torch.equal(self.response_lens, other.response_lens)
+                and self.packed.keys() == other.packed.keys()
+                and self.scalars.keys() == other.scalars.keys())
+        return same and all(
+            torch.equal(v.values, other.packed[k].values)
+            and torch.equal(v.offsets, other.packed[k].offsets)
+            for k, v in self.packed.items()) and all(
+            torch.equal(v, other.scalars[k]) for k, v in self.scalars.items())
