@@ -15,6 +15,7 @@ from avrid.dispatch.cost import (
     check_costs,
     sequence_lengths,
 )
+from avrid.dispatch.partition import partition
 
 LLAMA_7B = {"hidden_size": 4096, "num_layers": 32, "intermediate_size": 11008,
             "vocab_size": 32000}
@@ -96,12 +97,16 @@ def test_function_cost_per_sequence_and_vectorized_agree() -> None:
     assert each(np.array([], dtype=np.int64), np.array([], dtype=np.int64)).shape == (0,)
 
 
-def test_function_cost_errors_name_the_sample() -> None:
+def test_bad_function_costs_are_caught_by_the_checks_downstream() -> None:
+    # A FunctionCost returns what the user's function said; make_plan (by sample id, see
+    # test_dispatch_plan) and every partitioner (by position) refuse NaN and negative costs.
     p, r = np.array([1, 2, 3]), np.array([1, 1, 1])
+    nan = FunctionCost(fn=lambda a, b: float("nan") if a == 2 else 1.0)(p, r)
     with pytest.raises(ValueError, match=r"position 1 is nan; costs must be finite"):
-        FunctionCost(fn=lambda a, b: float("nan") if a == 2 else 1.0)(p, r)
+        partition(nan, 2)
+    negative = FunctionCost(fn=lambda a, b: 1.0 - (a == 3) * 2.0)(p, r)
     with pytest.raises(ValueError, match=r"position 2 is -1.0; costs must be >= 0"):
-        FunctionCost(fn=lambda a, b: 1.0 - (a == 3) * 2.0)(p, r)
+        partition(negative, 2)
     with pytest.raises(ValueError, match=r"returned shape \(2,\) for 3 sequences"):
         FunctionCost(fn=lambda a, b: a[:2], vectorized=True)(p, r)
 

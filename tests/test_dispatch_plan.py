@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from avrid.dispatch import Batch, DispatchConfig, make_plan, micro_batches
+from avrid.dispatch import Batch, DispatchConfig, FunctionCost, make_plan, micro_batches
 from tests.test_batch import make_batch
 
 lengths = st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)), min_size=1, max_size=60)
@@ -93,7 +93,13 @@ def test_restore_names_the_shard_that_returned_the_wrong_samples() -> None:
 
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: make_plan(make_batch([(1, 1)]).take([]), 2), "an empty batch"),
-    (lambda: make_plan(make_batch([(1, 1)]), 0), "k"),
+    (lambda: make_plan(make_batch([(1, 1)]), 0),
+     r"k \(the number of shards\) must be an integer >= 1, got 0"),
+    (lambda: make_plan(make_batch([(1, 1), (2, 2)], first_id=40), 2, DispatchConfig(
+        cost=FunctionCost(fn=lambda p, r: float("nan") if p == 2 else 1.0))),
+     r"sample id 41 \(position 1\) is nan"),
+    (lambda: make_plan(make_batch([(1, 1), (2, 2)], first_id=40), 2, DispatchConfig(
+        cost=FunctionCost(fn=lambda p, r: -p))), r"sample id 40 \(position 0\) is -1.0"),
     (lambda: DispatchConfig(method="round-robin"), "method must be one of"),
     (lambda: DispatchConfig(micro_batch_tokens=0), "micro_batch_tokens must be >= 1"),
     (lambda: make_plan(make_batch([(5, 20), (1, 1)]), 1,

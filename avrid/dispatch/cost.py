@@ -10,7 +10,8 @@ share one protocol (`CostModel`):
   quadratic term matters: two 8k sequences cost more than one 16k-token pile of short ones.
 - `FunctionCost`: your own function of (prompt_len, response_len).
 
-Every model returns float64 costs that `check_costs` has validated (1-D, finite, >= 0), so a
+Token and FLOP costs are checked here (1-D, finite, >= 0); a user function's costs are checked
+by `make_plan`, which names the sample id of a bad one, and again by every partitioner, so a
 partitioner never sees a NaN. This module does not partition, measure real step times or
 calibrate constants against hardware; it only turns lengths into comparable numbers.
 """
@@ -210,7 +211,8 @@ class FunctionCost:
     """Call `fn` once on the arrays instead of once per sequence."""
 
     def __call__(self, prompt_lens: np.ndarray, response_lens: np.ndarray) -> np.ndarray:
-        """Per-sequence costs from `fn`, checked (a NaN names the sequence's position)."""
+        """Per-sequence costs from `fn`, *not yet checked*: `make_plan` checks them and names
+        the sample id of a NaN or negative cost (`partition` names its position)."""
         sequence_lengths(prompt_lens, response_lens)  # validate before calling user code
         p = np.asarray(prompt_lens, dtype=np.float64)
         r = np.asarray(response_lens, dtype=np.float64)
@@ -223,4 +225,4 @@ class FunctionCost:
             out = np.fromiter((self.fn(a, b) for a, b in zip(p.tolist(), r.tolist(),
                                                              strict=True)),
                               dtype=np.float64, count=len(p))
-        return check_costs(out)
+        return out

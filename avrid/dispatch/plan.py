@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from avrid.dispatch.batch import Batch
-from avrid.dispatch.cost import CostModel, TokenCost
+from avrid.dispatch.cost import CostModel, TokenCost, check_costs
 from avrid.dispatch.microbatch import Oversize, micro_batches
 from avrid.dispatch.partition import METHODS, partition
 
@@ -162,7 +162,8 @@ def make_plan(batch: Batch, num_shards: int,
         raise ValueError("an empty batch: there is nothing to dispatch")
     prompt = batch.prompt_lens.numpy()
     response = batch.response_lens.numpy()
-    costs = config.cost(prompt, response)
+    # Checked here, where the sample ids are known, so a bad user cost names its sample.
+    costs = check_costs(config.cost(prompt, response), sample_ids=batch.sample_ids.numpy())
     part = partition(costs, num_shards, method=config.method, equal_count=config.equal_count)
     tokens = prompt + response
     groups = [_micro(tokens[list(shard)], config, None) for shard in part.shards]
