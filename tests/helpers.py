@@ -144,3 +144,46 @@ class ShardWorker(Worker):
                               response_lens=mb.response_lens,
                               scalars={"score": out.to(torch.float32)}))
         return Batch.concat(outs)
+
+
+class ResultWorker(Worker):
+    """Chapter 3 test worker: the same computation under different local strategies, each
+    returning a canonical `WorkerResult`. Log-probs are integers, so sums are exact."""
+
+    def log_probs(self, shard: object, strategy: str = "micro") -> object:
+        from avrid.results import ResultBuilder
+
+        return fake_log_probs(self.identity, shard, strategy, ResultBuilder)
+
+
+def fake_log_probs(identity: object, shard: object, strategy: str, builder_cls: type) -> object:
+    """Per-token 'log-prob' -(token % 7), per-sample 'value' = tokens, plus metrics; the
+    strategy only changes *how* the shard is walked, never the result."""
+    import torch
+
+    builder = builder_cls.for_shard(identity, shard)
+    micro = {"micro": shard.micro_batches(), "reversed": shard.micro_batches()[::-1],
+             "whole": [shard.batch], "padded": shard.micro_batches()}[strategy]
+    for mb in micro:
+        if len(mb) == 0:
+            continue
+        with builder.span("forward"):
+            tokens = mb.packed["tokens"]
+            lp = -(tokens.values % 7).to(torch.float32)
+            value = torch.tensor([float(tokens.row(i).sum()) for i in range(len(mb))])
+            if strategy == "padded":  # pad to (n, max_len) as a padded trainer would
+                lengths = tokens.lengths
+                padded = torch.full((len(mb), int(lengths.max())), 99.0)
+                for i in range(len(mb)):
+                    padded[i, :lengths[i]] = lp[tokens.offsets[i]:tokens.offsets[i + 1]]
+                builder.add_padded(mb.sample_ids, lengths, padded={"logprobs": padded},
+                                   scalars={"value": value})
+            else:
+                rows = [lp[tokens.offsets[i]:tokens.offsets[i + 1]] for i in range(len(mb))]
+                builder.add(mb.sample_ids, packed={"logprobs": rows}, scalars={"value": value})
+            builder.metric("logprob_mean", lp, "mean_tokens")
+            builder.metric("value_mean", value, "mean_samples")
+            builder.metric("num_tokens", tokens.lengths, "sum")  # per sample, not per call
+            builder.metric("longest", tokens.lengths.to(torch.float64), "max")
+    builder.metric("workers", 1.0, "sum", per_rank=True)
+    return builder.build()

@@ -58,13 +58,13 @@ def test_each_shard_is_stored_once_and_shared_by_its_tp_replicas(ray_cluster: No
         real_put = group.put
         group.put = lambda v: puts.append(v) or real_put(v)  # type: ignore[method-assign]
         sent: list[list[object]] = []
-        real_call = group.call_per_rank
+        real_call = group.submit_per_rank
 
         def spy(method, *args, **kwargs):  # noqa: ANN001, ANN202
             sent.append(list(args[0]))
             return real_call(method, *args, **kwargs)
 
-        group.call_per_rank = spy  # type: ignore[method-assign]
+        group.submit_per_rank = spy  # type: ignore[method-assign]
         dispatch(group, ShardWorker.score, plan, batch)
     assert len(puts) == 2  # one object-store copy per DP shard, not one per rank
     refs = sent[0]

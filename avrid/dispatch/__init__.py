@@ -18,11 +18,11 @@ from avrid.dispatch.partition import (
     partition,
 )
 from avrid.dispatch.plan import DispatchConfig, DispatchPlan, Shard, make_plan
-from avrid.dispatch.send import dispatch
+from avrid.dispatch.send import dispatch, send_shards, submit_shards
 
 __all__ = [
     "Batch", "CostModel", "DispatchConfig", "DispatchPlan", "FlopCost", "FunctionCost",
     "Packed", "Partition", "Shard", "TokenCost", "check_costs", "contiguous", "dispatch",
     "greedy_lpt", "karmarkar_karp", "make_plan", "micro_batches", "min_micro_batches",
-    "partition",
+    "partition", "send_shards", "submit_shards",
 ]

@@ -24,15 +24,16 @@ from typing import Any, TypeVar
 
 from avrid.dispatch.batch import Batch
 from avrid.dispatch.plan import DispatchPlan
-from avrid.workers import WorkerGroup
+from avrid.workers import PendingCall, WorkerGroup
 
 R = TypeVar("R")
 
 
-def dispatch(group: WorkerGroup, method: Callable[..., R], plan: DispatchPlan, batch: Batch,
-             *args: Any, data_axis: str | None = None, **kwargs: Any) -> list[R]:
-    """Run ``method(shard, *args, **kwargs)`` on every rank with its DP shard; return the
-    collect ranks' results in shard order.
+def submit_shards(group: WorkerGroup, method: Callable[..., R], plan: DispatchPlan,
+                  batch: Batch, *args: Any, data_axis: str | None = None,
+                  **kwargs: Any) -> PendingCall[R]:
+    """Start ``method(shard, *args, **kwargs)`` on every rank with its DP shard and return at
+    once; ``.result()`` gives every rank's answer in rank order.
 
     Raises:
         ValueError: the plan's shard count differs from the size of the mesh's data axis.
@@ -45,6 +46,23 @@ def dispatch(group: WorkerGroup, method: Callable[..., R], plan: DispatchPlan, b
     handles = [group.put(shard) for shard in plan.split(batch)]  # each shard stored once
     per_rank = [handles[mesh.coords(r)[axis]] for r in range(group.world_size)]
     same = [[a] * group.world_size for a in args]
-    results = group.call_per_rank(method, per_rank, *same,
-                                  **{k: [v] * group.world_size for k, v in kwargs.items()})
-    return [results[r] for r in mesh.collect_ranks(axis)]
+    return group.submit_per_rank(method, per_rank, *same,
+                                 **{k: [v] * group.world_size for k, v in kwargs.items()})
+
+
+def send_shards(group: WorkerGroup, method: Callable[..., R], plan: DispatchPlan,
+                batch: Batch, *args: Any, data_axis: str | None = None,
+                **kwargs: Any) -> list[R]:
+    """`submit_shards` and wait: every rank's result, in rank order (chapter 3 merges them
+    all, since spans come from every rank)."""
+    pending = submit_shards(group, method, plan, batch, *args, data_axis=data_axis, **kwargs)
+    return pending.result(group.call_timeout_s)
+
+
+def dispatch(group: WorkerGroup, method: Callable[..., R], plan: DispatchPlan, batch: Batch,
+             *args: Any, data_axis: str | None = None, **kwargs: Any) -> list[R]:
+    """Like `send_shards`, but return only the collect ranks' results (one per shard, in
+    shard order), ready for ``plan.restore``."""
+    results = send_shards(group, method, plan, batch, *args, data_axis=data_axis, **kwargs)
+    axis = group.mesh.names[0] if data_axis is None else data_axis
+    return [results[r] for r in group.mesh.collect_ranks(axis)]

@@ -1,3 +1,27 @@
-"""Chapter 3 — canonical results (declared now so the layer contract covers it; built in
-issue 4): one result format for every worker, order-restoring merge, exact metric reduction
-and the worker timeline. May import avrid.dispatch and avrid.workers."""
+"""Chapter 3 — canonical results: one result format for every worker whatever its local
+strategy, a checked merge back into the original order with exact metric reduction, and the
+timeline of who did what when.
+
+Read in this order: result.py (the values), builder.py (worker side), merge.py (driver side),
+run.py (the round trip), timeline.py (trace file and Gantt chart).
+"""
+
+from avrid.results.builder import ResultBuilder, is_collect_rank
+from avrid.results.merge import Merged, merge
+from avrid.results.result import (
+    REDUCTIONS,
+    RESULT_VERSION,
+    Metric,
+    Reduction,
+    Span,
+    WorkerResult,
+    merge_metrics,
+)
+from avrid.results.run import run_shards
+from avrid.results.timeline import Lane, Timeline, Utilization
+
+__all__ = [
+    "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Reduction", "ResultBuilder",
+    "Span", "Timeline", "Utilization", "WorkerResult", "is_collect_rank", "merge",
+    "merge_metrics", "run_shards",
+]

@@ -1,0 +1,49 @@
+"""Chapter 3 — one call from the driver: plan a batch, send the shards, merge the results.
+
+`run_shards(group, Worker.method, batch, config)` is the whole round trip of a
+single-controller step for one role, with the driver's own time recorded as spans so the
+timeline shows where the driver (not just the workers) spends a step:
+
+    plan      make the chapter 2 dispatch plan
+    send      split, store each shard once, call every rank
+    wait      until every rank has answered (the bubbles live here)
+    merge     check and combine the canonical results
+
+The method must take a `Shard` and return a `WorkerResult` (built with `ResultBuilder`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, make_plan, submit_shards
+from avrid.results.merge import Merged, merge
+from avrid.results.result import Span, WorkerResult
+from avrid.workers import WorkerGroup
+
+
+def run_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: Batch,
+               config: DispatchConfig | None = None, *args: Any,
+               plan: DispatchPlan | None = None, data_axis: str | None = None,
+               **kwargs: Any) -> Merged:
+    """Dispatch `batch` over `group`'s data-parallel shards and merge what comes back.
+
+    Pass `plan` to reuse one (e.g. the same plan for log-probs and values); otherwise one is
+    made from `config`. Extra arguments go to every rank's `method` after the shard.
+    """
+    spans = []
+    t = time.time()
+    axis = group.mesh.names[0] if data_axis is None else data_axis
+    if plan is None:
+        plan = make_plan(batch, group.mesh.axis_size(axis), config)
+    spans.append(Span(name="plan", start=t, end=(t := time.time())))
+    pending = submit_shards(group, method, plan, batch, *args, data_axis=axis, **kwargs)
+    spans.append(Span(name="send", start=t, end=(t := time.time())))
+    results = pending.result(group.call_timeout_s)
+    spans.append(Span(name="wait", start=t, end=(t := time.time())))
+    merged = merge(plan, results, data_axis=axis)
+    spans.append(Span(name="merge", start=t, end=time.time()))
+    return Merged(batch=merged.batch, metrics=merged.metrics, results=merged.results,
+                  driver_spans=tuple(spans))
