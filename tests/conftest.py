@@ -6,13 +6,13 @@
 - `ray_cluster` is what a test asks for: after the test it fails the test if any actor or
   placement group the test created is still alive, then restarts Ray so the leak cannot
   poison later tests.
+- `backend` runs a test on both backends: Ray (with `ray_cluster`) and in-process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,7 +106,14 @@ def ray_cluster(ray_session: None) -> Iterator[None]:
                     f"placement groups", pytrace=False)
 
 
-@pytest.fixture
-def python() -> str:
-    """The interpreter running the tests, for subprocess smoke runs."""
-    return sys.executable
+@pytest.fixture(params=["inprocess", "ray"])
+def backend(request: pytest.FixtureRequest):  # noqa: ANN201 - avrid.workers.Backend
+    """Runs the test twice: on Ray (leak-checked) and in-process (one thread per rank)."""
+    from avrid.workers import InProcessBackend
+
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+        from avrid.workers import RayBackend
+
+        return RayBackend(placement_timeout_s=30)
+    return InProcessBackend(concurrent=True)

@@ -25,16 +25,6 @@ from avrid.workers import (
 from tests.helpers import EchoWorker, OtherWorker
 
 
-@pytest.fixture(params=["inprocess", "ray"])
-def backend(request: pytest.FixtureRequest) -> Backend:
-    if request.param == "ray":
-        request.getfixturevalue("ray_cluster")
-        from avrid.workers import RayBackend
-
-        return RayBackend(placement_timeout_s=30)
-    return InProcessBackend(concurrent=True)
-
-
 def colocated_plan() -> Any:
     """actor (dp=2) and rollout (dp=2) share 2 bundles; critic has a pool of its own."""
     return plan_placement(

@@ -7,19 +7,9 @@ import pytest
 import torch
 
 from avrid.dispatch import DispatchConfig, dispatch, make_plan
-from avrid.workers import Backend, InProcessBackend, Mesh, ResourcePool, RoleSpec, plan_placement
+from avrid.workers import Backend, Mesh, ResourcePool, RoleSpec, plan_placement
 from tests.helpers import ShardWorker
 from tests.test_batch import make_batch
-
-
-@pytest.fixture(params=["inprocess", "ray"])
-def backend(request: pytest.FixtureRequest) -> Backend:
-    if request.param == "ray":
-        request.getfixturevalue("ray_cluster")
-        from avrid.workers import RayBackend
-
-        return RayBackend()
-    return InProcessBackend()
 
 
 def launch(backend: Backend, mesh: Mesh):  # noqa: ANN201

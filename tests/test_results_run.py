@@ -8,19 +8,9 @@ import torch
 
 from avrid.dispatch import DispatchConfig
 from avrid.results import run_shards
-from avrid.workers import Backend, InProcessBackend, Mesh, ResourcePool, RoleSpec, plan_placement
+from avrid.workers import Backend, Mesh, ResourcePool, RoleSpec, plan_placement
 from tests.helpers import ResultWorker
 from tests.test_batch import make_batch
-
-
-@pytest.fixture(params=["inprocess", "ray"])
-def backend(request: pytest.FixtureRequest) -> Backend:
-    if request.param == "ray":
-        request.getfixturevalue("ray_cluster")
-        from avrid.workers import RayBackend
-
-        return RayBackend()
-    return InProcessBackend()
 
 
 @pytest.mark.parametrize("strategy", ["micro", "padded"])
