@@ -21,6 +21,7 @@ from pathlib import Path
 CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch01_workers", "Ray basics, worker identity, the mesh and placement groups"),
     ("ch02_dispatch", "token-aware dispatch: balanced shards, token-budget micro-batches"),
+    ("ch03_results", "canonical results, exact metric merge, the worker timeline"),
 )
 
 

@@ -175,3 +175,15 @@ def test_metric_errors() -> None:
             Metric(name="x", reduction="max", total=1, weight=1))
     with pytest.raises(ValueError, match="must be finite"):
         Metric(name="x", reduction="sum", total=float("nan"), weight=1)
+
+
+def test_misused_entry_points_say_what_was_wrong() -> None:
+    from avrid.results import run_shards
+
+    batch = make_batch([(1, 1)] * 2)
+    shard = make_plan(batch, 1).split(batch)[0]
+    with pytest.raises(ValueError, match="needs at least one padded column"):
+        ResultBuilder.for_shard(identity(0), shard).add_padded([0, 1], torch.tensor([2, 2]),
+                                                               padded={})
+    with pytest.raises(TypeError, match="the 4th argument is the DispatchConfig"):
+        run_shards(None, fake_log_probs, batch, "padded")  # type: ignore[arg-type]

@@ -84,6 +84,8 @@ class ResultBuilder:
                    scalars: Mapping[str, torch.Tensor] | None = None) -> None:
         """Like `add`, for right-padded (n, max_len, ...) tensors: row i keeps its first
         `lengths[i]` entries, the padding is dropped, so the result is the packed one."""
+        if not padded:
+            raise ValueError("add_padded needs at least one padded column (name -> tensor)")
         keep = torch.arange(next(iter(padded.values())).shape[1]) < lengths[:, None]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])

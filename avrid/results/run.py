@@ -33,6 +33,9 @@ def run_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: B
     Pass `plan` to reuse one (e.g. the same plan for log-probs and values); otherwise one is
     made from `config`. Extra arguments go to every rank's `method` after the shard.
     """
+    if config is not None and not isinstance(config, DispatchConfig):
+        raise TypeError(f"run_shards: the 4th argument is the DispatchConfig (or None), got "
+                        f"{config!r}; pass the method's own arguments after it or by keyword")
     spans = []
     t = time.time()
     axis = group.mesh.names[0] if data_axis is None else data_axis
