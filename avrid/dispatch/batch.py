@@ -75,13 +75,18 @@ class Packed:
 
     def take(self, positions: torch.Tensor) -> Packed:
         """Rows at `positions`, in that order, packed anew (one gather, no Python loop)."""
+        offsets, index = self.gather_index(positions)
+        return Packed(values=self.values[index], offsets=offsets)
+
+    def gather_index(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new offsets and the element index that `take(positions)` uses. Columns with
+        the same offsets (tokens, log-probs, masks of the same sequences) can share them."""
         lengths = self.lengths[positions]
         offsets = torch.zeros(len(positions) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
         # Element j of the output comes from start[row(j)] + (j - offsets[row(j)]).
         shift = torch.repeat_interleave(self.offsets[:-1][positions] - offsets[:-1], lengths)
-        index = torch.arange(int(offsets[-1])) + shift
-        return Packed(values=self.values[index], offsets=offsets)
+        return offsets, torch.arange(int(offsets[-1])) + shift
 
     def slice(self, start: int, stop: int) -> Packed:
         """Rows start..stop-1 as views of this column's memory (no copy)."""
@@ -169,20 +174,34 @@ class Batch:
         pos = _as_index(positions)
         if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(self)):
             raise IndexError(f"positions must lie in 0..{len(self) - 1}")
+        # Per-token columns of the same sequences share their offsets: build each distinct
+        # gather index once, not once per column (it is as long as the tokens).
+        indices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        packed = {}
+        for name, col in self.packed.items():
+            hit = next((i for i in indices if i[0] is col.offsets
+                        or torch.equal(i[0], col.offsets)), None)
+            if hit is None:
+                hit = (col.offsets, *col.gather_index(pos))
+                indices.append(hit)
+            packed[name] = Packed(values=col.values[hit[2]], offsets=hit[1])
         return Batch(sample_ids=self.sample_ids[pos], prompt_lens=self.prompt_lens[pos],
-                     response_lens=self.response_lens[pos],
-                     packed={k: v.take(pos) for k, v in self.packed.items()},
+                     response_lens=self.response_lens[pos], packed=packed,
                      scalars={k: v[pos] for k, v in self.scalars.items()})
 
-    def select(self, sample_ids: Sequence[int] | torch.Tensor) -> Batch:
-        """The samples with these ids, in the order given; unknown ids are an error."""
+    def positions_of(self, sample_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Positions of these ids in this batch, in the order given; unknown ids are an error."""
         want = _as_index(sample_ids)
         order = torch.argsort(self.sample_ids)
         where = torch.searchsorted(self.sample_ids[order], want).clamp(max=max(len(self) - 1, 0))
         found = (self.sample_ids[order][where] == want) if len(self) else want != want
         if not bool(found.all()):
             raise KeyError(f"sample ids not in this batch: {want[~found].tolist()}")
-        return self.take(order[where])
+        return order[where]
+
+    def select(self, sample_ids: Sequence[int] | torch.Tensor) -> Batch:
+        """The samples with these ids, in the order given; unknown ids are an error."""
+        return self.take(self.positions_of(sample_ids))
 
     def slice(self, start: int, stop: int) -> Batch:
         """Samples start..stop-1 as views of this batch's memory (a micro-batch, no copy)."""

@@ -72,12 +72,12 @@ class ResultBuilder:
         """Outputs of some samples: per-token columns as rows (or `Packed`), per-sample
         columns as (n, ...) tensors, all in the order of `sample_ids`."""
         ids = torch.as_tensor(sample_ids, dtype=torch.int64).reshape(-1)
-        known = self._batch.select(ids)  # unknown ids fail here, naming them
+        pos = self._batch.positions_of(ids)  # unknown ids fail here, naming them
         columns = {k: v if isinstance(v, Packed) else Packed.from_rows(list(v))
                    for k, v in (packed or {}).items()}
-        self._parts.append(Batch(sample_ids=ids, prompt_lens=known.prompt_lens,
-                                 response_lens=known.response_lens, packed=columns,
-                                 scalars=dict(scalars or {})))
+        self._parts.append(Batch(sample_ids=ids, prompt_lens=self._batch.prompt_lens[pos],
+                                 response_lens=self._batch.response_lens[pos],
+                                 packed=columns, scalars=dict(scalars or {})))
 
     def add_padded(self, sample_ids: Sequence[int] | torch.Tensor, lengths: torch.Tensor, *,
                    padded: Mapping[str, torch.Tensor],
@@ -115,10 +115,13 @@ class ResultBuilder:
             added = [p.sample_ids for p in self._parts]
             _check_exactly_once(self.identity, self._batch.sample_ids,
                                 torch.cat(added) if added else self._batch.sample_ids[:0])
-            if self._parts:
-                outputs = Batch.concat(self._parts).select(self._batch.sample_ids)
-            else:
+            if not self._parts:
                 outputs = self._batch.take([])  # a shard with no samples
+            else:
+                outputs = (self._parts[0] if len(self._parts) == 1
+                           else Batch.concat(self._parts))
+                if not torch.equal(outputs.sample_ids, self._batch.sample_ids):
+                    outputs = outputs.select(self._batch.sample_ids)  # the order sent
         return WorkerResult(version=RESULT_VERSION, identity=self.identity,
                             sample_ids=self._batch.sample_ids, outputs=outputs,
                             metrics=tuple(self._metrics.values()), spans=tuple(self._spans))
