@@ -187,3 +187,29 @@ def fake_log_probs(identity: object, shard: object, strategy: str, builder_cls: 
             builder.metric("longest", tokens.lengths.to(torch.float64), "max")
     builder.metric("workers", 1.0, "sum", per_rank=True)
     return builder.build()
+
+
+class ReshardWorker(Worker):
+    """Chapter 4 test worker: cuts its source shard from the full weights, runs a transfer plan
+    (or the all-gather baseline) over gloo, returns its target tensors and partial
+    fingerprints of both sides."""
+
+    def reshard(self, plan: object, full: dict, naive: bool = False) -> tuple:
+        from avrid.reshard.executor import ProcessMap, execute, layout_checksums, naive_allgather
+
+        self.init_distributed(timeout_s=60)
+        try:
+            pmap = ProcessMap.for_plan(plan)
+            src, dst = pmap.roles_of(self.identity.rank)
+            shards = {} if src is None else {
+                name: full[name][p.regions[src].to_slices()].clone()
+                for name, p in plan.source.params if p.regions[src] is not None}
+            if naive:
+                out = naive_allgather(plan.source, plan.target, self.identity.rank, shards,
+                                      pmap)
+            else:
+                out = execute(plan, self.identity.rank, shards)
+            return (dst, out, layout_checksums(plan.source, src, shards),
+                    layout_checksums(plan.target, dst, out))
+        finally:
+            self.destroy_distributed()

@@ -1,0 +1,175 @@
+"""Chapter 4 — running a transfer plan over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Every process of one process group calls `execute(plan, me, shards, group)` at the same time.
+A process may hold a source rank (a training shard), a target rank (a rollout slice), or both
+(colocated): `ProcessMap` says which process plays which rank. Then, bucket by bucket:
+
+    local copies   a target slice its own process already holds: a plain tensor copy
+    each bucket    the sender slices its shard and sends; the receiver writes into its slice,
+                   all the bucket's sends and receives posted together (batch_isend_irecv)
+
+so at most one bucket's worth of temporary buffers exists at a time: peak extra memory is the
+bucket size plus the largest single region. `naive_allgather` is the baseline: every rank
+all-gathers every full tensor and slices what it needs (verl's old sync path).
+
+Both return the target rank's tensors; `layout_checksums` turns either side into partial
+fingerprints that add up across ranks (see `fingerprint.py`). This file does not plan
+(`planner.py`) or load into an engine (`engines.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from avrid.reshard.fingerprint import region_checksum
+from avrid.reshard.layout import ModelLayout, Region
+from avrid.reshard.planner import TransferPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessMap:
+    """Which process-group rank plays each source and each target rank.
+
+    Colocated (the hybrid engine): target t lives with source `same_process[t]`. Disaggregated:
+    the target ranks come after the S source ranks, in their own processes.
+    """
+
+    source: tuple[int, ...]
+    """Process rank of source rank s."""
+    target: tuple[int, ...]
+    """Process rank of target rank t."""
+
+    @classmethod
+    def for_plan(cls, plan: TransferPlan) -> ProcessMap:
+        """Source rank s is process s; a colocated target joins its source's process, the
+        others get new processes after the sources."""
+        shared = dict(plan.same_process)
+        target, extra = [], plan.source_world
+        for t in range(plan.target_world):
+            if t in shared:
+                target.append(shared[t])
+            else:
+                target.append(extra)
+                extra += 1
+        return cls(source=tuple(range(plan.source_world)), target=tuple(target))
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the group."""
+        return max((*self.source, *self.target)) + 1
+
+    def roles_of(self, process: int) -> tuple[int | None, int | None]:
+        """(source rank, target rank) that `process` plays; None where it plays none."""
+        src = self.source.index(process) if process in self.source else None
+        dst = self.target.index(process) if process in self.target else None
+        return src, dst
+
+
+def execute(plan: TransferPlan, process: int, shards: Mapping[str, torch.Tensor],
+            group: dist.ProcessGroup | None = None,
+            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Run `plan` from this process's side; return its target rank's tensors (empty if it
+    plays no target rank). `shards` holds this process's source shard of every parameter (the
+    tensor of its source region; ignored if it plays no source rank)."""
+    pmap = ProcessMap.for_plan(plan)
+    src, dst = pmap.roles_of(process)
+    out = _allocate(plan.target, dst, device)
+    for t in plan.local:  # same process holds source and target: no network
+        if t.dst_rank == dst:
+            _slot(out, plan.target, t).copy_(_piece(shards, plan.source, t))
+    for bucket in plan.buckets:
+        ops, landing = [], []
+        for t in bucket.transfers:
+            to, frm = pmap.target[t.dst_rank], pmap.source[t.src_rank]
+            if t.src_rank == src and frm == process and to != process:
+                # A contiguous copy: send buffers must be dense. Freed after the bucket.
+                ops.append(dist.P2POp(dist.isend, _piece(shards, plan.source, t).contiguous(),
+                                      to, group))
+            if t.dst_rank == dst and to == process:
+                if frm == process:  # sender and receiver in one process, not planned local
+                    _slot(out, plan.target, t).copy_(_piece(shards, plan.source, t))
+                    continue
+                buf = torch.empty(t.region.shape, dtype=out[t.param].dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buf, frm, group))
+                landing.append((t, buf))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for t, buf in landing:
+            _slot(out, plan.target, t).copy_(buf)
+    return out
+
+
+def naive_allgather(source: ModelLayout, target: ModelLayout, process: int,
+                    shards: Mapping[str, torch.Tensor], pmap: ProcessMap,
+                    group: dist.ProcessGroup | None = None,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The baseline: all-gather every full tensor on every process, then slice the target
+    region. Assumes the source layout is FSDP (dim-0 shards in rank order)."""
+    src, dst = pmap.roles_of(process)
+    world = pmap.world_size
+    out: dict[str, torch.Tensor] = {}
+    for name, layout in source.params:
+        rows = -(-layout.shape[0] // source.world_size) if layout.shape else 1
+        padded = torch.zeros((rows, *layout.shape[1:]), dtype=_dtype(layout.dtype), device=device)
+        if src is not None and layout.regions[src] is not None:
+            mine = shards[name]
+            padded[:len(mine)].copy_(mine)
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=group)
+        parts = [gathered[pmap.source[s]][:_rows(layout.regions[s])]
+                 for s in range(source.world_size)]
+        full = torch.cat(parts)
+        region = target[name].regions[dst] if dst is not None else None
+        if region is not None:
+            out[name] = full[region.to_slices()].clone()
+    return out
+
+
+def layout_checksums(layout: ModelLayout, rank: int | None,
+                     tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Partial fingerprints of rank `rank`'s tensors under `layout`, counting each element
+    once across ranks (a region another, lower rank also holds is skipped), so that adding
+    every rank's partials (`fingerprint.combine`) gives the whole tensors' checksums."""
+    out: dict[str, int] = {}
+    if rank is None:
+        return out
+    for name, p in layout.params:
+        region = p.regions[rank]
+        if region is None:
+            continue
+        if p.allow_overlap and any(r is not None and r.intersect(region) is not None
+                                   for r in p.regions[:rank]):
+            continue  # replicated: the lowest holder speaks for it
+        out[name] = region_checksum(tensors[name], p.shape, region.bounds)
+    return out
+
+
+def _allocate(layout: ModelLayout, rank: int | None,
+              device: torch.device | str) -> dict[str, torch.Tensor]:
+    if rank is None:
+        return {}
+    return {name: torch.empty(p.regions[rank].shape, dtype=_dtype(p.dtype), device=device)
+            for name, p in layout.params if p.regions[rank] is not None}
+
+
+def _piece(shards: Mapping[str, torch.Tensor], source: ModelLayout, t) -> torch.Tensor:  # noqa: ANN001
+    held = source[t.param].regions[t.src_rank]
+    return shards[t.param][t.region.relative_to(held).to_slices()]
+
+
+def _slot(out: dict[str, torch.Tensor], target: ModelLayout, t) -> torch.Tensor:  # noqa: ANN001
+    held = target[t.param].regions[t.dst_rank]
+    return out[t.param][t.region.relative_to(held).to_slices()]
+
+
+def _rows(region: Region | None) -> int:
+    return 0 if region is None else region.shape[0]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
