@@ -134,7 +134,10 @@ def layout_checksums(layout: ModelLayout, rank: int | None,
                      tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Partial fingerprints of rank `rank`'s tensors under `layout`, counting each element
     once across ranks (a region another, lower rank also holds is skipped), so that adding
-    every rank's partials (`fingerprint.combine`) gives the whole tensors' checksums."""
+    every rank's partials (`fingerprint.combine`) gives the whole tensors' checksums.
+
+    Known gap: a replica held by a higher rank is not covered, so a stale copy of a replicated
+    norm on TP rank 3 would pass; checking replicas against each other is still to do."""
     out: dict[str, int] = {}
     if rank is None:
         return out

@@ -1,0 +1,267 @@
+"""Chapter 4 — loading synced weights into a rollout engine through one narrow interface.
+
+A weight sync ends in an engine, and every engine is different. `WeightSink` is all the sync
+asks of one: `load` a bucket of named tensors (full, or this rank's tensor-parallel slices),
+`finish` after the last bucket, and `checksums` of what it now holds, which the driver
+compares with the trainer's (`fingerprint.check_same`) to catch silently stale weights.
+
+- `TorchEngineSink`: a torch module (or a dict of tensors) on any device: an in-place copy
+  into each parameter, names, shapes and dtypes checked. Runs and is tested on CPU.
+- `VllmSink`: a vLLM 0.33 `LLM` built with ``worker_extension_cls=VLLM_EXTENSION``. Full
+  tensors go to the model's own `load_weights` (HF names; it fuses and shards for TP itself);
+  a TP rank's slices are copied straight into its views of vLLM's fused parameters
+  (`vllm_param_name`, `vllm_local_spec`); `finish` resets the prefix cache, because a weight
+  update does not (vllm PR#46125 reverted the automatic reset; stale cache = logprob drift).
+
+Not run here (no vLLM, no GPU): the `collective_rpc` calls and the worker side of the
+extension inside a real engine. Their pure parts (name mapping, where each slice sits in a
+fused parameter, copying and checksumming those views) are tested on CPU against fake fused
+tensors; `tests/test_reshard_engines.py` holds the marked vLLM/GPU tests. Slice loading skips
+vLLM's weight loaders, so it suits unquantised models only. This file plans and moves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from avrid.reshard.executor import layout_checksums
+from avrid.reshard.fingerprint import fingerprint, region_checksum
+from avrid.reshard.layout import ModelLayout
+
+VLLM_EXTENSION = "avrid.reshard.engines.AvridWorkerExtension"
+"""Pass as ``LLM(..., worker_extension_cls=VLLM_EXTENSION)`` so `VllmSink` can reach workers."""
+
+# transformers module -> (vLLM fused module, shard id as vLLM's stacked_params_mapping has it)
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+# (name, fused name, row offset in the fused local tensor, global shape, bounds, counted)
+LocalView = tuple[str, str, int, tuple[int, ...], tuple[tuple[int, int], ...], bool]
+
+
+class WeightSink(Protocol):
+    """What a rollout engine offers a weight sync."""
+
+    def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
+             rank: int | None = None) -> None:
+        """Take some named tensors (one bucket, or everything): full tensors, or with
+        `layout` and `rank` that rank's regions of them."""
+        ...
+
+    def finish(self) -> None:
+        """After the last bucket: drop whatever depends on the old weights (caches)."""
+        ...
+
+    def checksums(self, layout: ModelLayout | None, rank: int | None) -> dict[str, int]:
+        """Partial fingerprints (`executor.layout_checksums`) of what the engine holds."""
+        ...
+
+
+class TorchEngineSink:
+    """A torch module (e.g. a tiny transformers model) or a dict of tensors as an engine.
+
+    A tensor-parallel engine holds only its slices, so its tensors have the slice shapes.
+    Tied parameters are reachable by every name (``remove_duplicate=False``).
+    """
+
+    def __init__(self, engine: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        self.tensors: dict[str, torch.Tensor] = (
+            dict(engine.named_parameters(remove_duplicate=False))
+            if isinstance(engine, torch.nn.Module) else dict(engine))
+
+    def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
+             rank: int | None = None) -> None:
+        """Copy each tensor into the engine's tensor of that name, in place (an optimizer or
+        a compiled graph holding the parameter keeps seeing it). Everything is checked
+        before anything is copied, so a bad bucket changes nothing."""
+        for name, t in tensors.items():
+            held = _known(self.tensors, name)
+            want = held.shape
+            if layout is not None and rank is not None:
+                region = layout[name].regions[rank]
+                if region is None:
+                    raise ValueError(f"{name!r}: rank {rank} holds no part of it")
+                want = torch.Size(region.shape)
+                if want != held.shape:
+                    raise ValueError(f"{name!r}: the engine holds shape {tuple(held.shape)} "
+                                     f"but rank {rank}'s region is {tuple(want)}")
+            if t.shape != want or t.dtype != held.dtype:
+                # No silent casts: a dtype drift would only show as a fingerprint mismatch.
+                raise ValueError(f"{name!r}: got {tuple(t.shape)} {t.dtype}, the engine holds "
+                                 f"{tuple(want)} {held.dtype}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                self.tensors[name].data.copy_(t)
+
+    def finish(self) -> None:
+        """Nothing to do: a plain torch engine keeps no cache derived from its weights."""
+
+    def checksums(self, layout: ModelLayout | None = None,
+                  rank: int | None = None) -> dict[str, int]:
+        """Partial fingerprints of rank `rank`'s tensors; without a layout, the whole-tensor
+        checksums of everything held."""
+        if layout is None:
+            return dict(fingerprint(self.tensors).checksums)
+        return layout_checksums(layout, rank, self.tensors)
+
+
+class VllmSink:
+    """The adapter for a vLLM 0.33 ``LLM`` created with ``worker_extension_cls=VLLM_EXTENSION``
+    (one engine spans all its TP workers; `collective_rpc` reaches each of them).
+
+    Tensors travel to the workers through `collective_rpc` (vLLM serialises them natively);
+    they are moved to CPU first because the engine core runs in a child process by default.
+    Not run here: needs vllm and a GPU (see the marked tests).
+    """
+
+    def __init__(self, llm: Any) -> None:  # a vllm.LLM: vllm is imported only on GPU hosts
+        self.llm = llm
+
+    def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
+             rank: int | None = None) -> None:
+        """Full tensors (no `rank`): the model's `load_weights`, which takes HF names, fuses
+        q/k/v and gate/up and cuts each TP rank's part. With `layout` and `rank`: that
+        rank's slices, copied into its views of the fused parameters; other ranks ignore it."""
+        cpu = {k: v.detach().cpu() for k, v in tensors.items()}
+        if rank is None:
+            self.llm.collective_rpc("avrid_load_full", args=(cpu,))
+            return
+        if layout is None:
+            raise ValueError("loading slices needs the layout they were cut with")
+        spec = [v for v in vllm_local_spec(layout, rank) if v[0] in cpu]
+        if len(spec) != len(cpu):  # a name the layout lacks, or a region this rank lacks
+            stray = sorted(set(cpu) - {v[0] for v in spec})
+            raise KeyError(f"rank {rank} of the layout holds no region of {stray[:4]}")
+        self.llm.collective_rpc("avrid_load_slices", args=(rank, spec, cpu))
+
+    def finish(self) -> None:
+        """Reset the prefix cache: vLLM keeps KV blocks computed with the old weights."""
+        self.llm.reset_prefix_cache()
+
+    def checksums(self, layout: ModelLayout | None, rank: int | None = None) -> dict[str, int]:
+        """Partial fingerprints computed on the workers, on the GPU, of rank `rank`'s slices
+        (None: every rank's, added up). `layout` is the TP layout with transformers names
+        (`decoder_tp_layout`); a world-size-1 layout for an engine without TP."""
+        if layout is None:
+            raise ValueError("vLLM holds fused tensors: pass the TP layout with HF names")
+        specs = [vllm_local_spec(layout, r) for r in range(layout.world_size)]
+        out: dict[str, int] = {}
+        for tp_rank, sums in self.llm.collective_rpc("avrid_checksums", args=(specs,)):
+            if rank is None or tp_rank == rank:
+                for k, v in sums.items():
+                    out[k] = (out.get(k, 0) + v) % 2**64
+        return out
+
+
+def vllm_param_name(name: str) -> tuple[str, str | int | None]:
+    """(vLLM parameter name, shard id) for a transformers name; shard id None if not fused.
+
+    >>> vllm_param_name("model.layers.0.self_attn.k_proj.weight")
+    ('model.layers.0.self_attn.qkv_proj.weight', 'k')
+    >>> vllm_param_name("model.layers.3.mlp.up_proj.weight"), vllm_param_name("lm_head.weight")
+    (('model.layers.3.mlp.gate_up_proj.weight', 1), ('lm_head.weight', None))
+    """
+    parts = name.split(".")
+    for i in range(len(parts) - 2, -1, -1):  # the module right before weight/bias
+        if parts[i] in _FUSED:
+            fused, shard = _FUSED[parts[i]]
+            return ".".join((*parts[:i], fused, *parts[i + 1:])), shard
+    return name, None
+
+
+def vllm_local_spec(layout: ModelLayout, rank: int) -> list[LocalView]:
+    """Where each of rank `rank`'s regions sits in vLLM's local tensors: vLLM concatenates a
+    rank's q, k, v (gate, up) pieces along dim 0, so a piece starts after its siblings' rows
+    on that rank. Plain tuples, so they cross `collective_rpc` without pickle. `counted` is
+    False where a lower rank already speaks for a replicated region (as `layout_checksums`)."""
+    out: list[LocalView] = []
+    for name, p in layout.params:
+        region = p.regions[rank]
+        if region is None:
+            continue
+        fused, _ = vllm_param_name(name)
+        offset = 0
+        if fused != name:
+            parts = name.split(".")
+            module = next(m for m in reversed(parts) if m in _FUSED)
+            for sibling in _ORDER[_FUSED[module][0]]:
+                if sibling == module:
+                    break
+                other = layout[".".join(sibling if m == module else m for m in parts)]
+                held = other.regions[rank]
+                offset += held.shape[0] if held is not None else 0
+        counted = not (p.allow_overlap and any(
+            r is not None and r.intersect(region) is not None for r in p.regions[:rank]))
+        out.append((name, fused, offset, p.shape, region.bounds, counted))
+    return out
+
+
+def vllm_local_views(params: Mapping[str, torch.Tensor],
+                     spec: Sequence[LocalView]) -> dict[str, torch.Tensor]:
+    """Views of a vLLM worker's parameters (`named_parameters`) by transformers name. A
+    vocab-parallel tensor is padded past the real rows: the view keeps the real ones."""
+    out = {}
+    for name, fused, offset, _, bounds, _ in spec:
+        whole = _known(params, fused)
+        shape = tuple(b - a for a, b in bounds)
+        view = whole.narrow(0, offset, shape[0]) if shape else whole
+        if tuple(view.shape) != shape:
+            raise ValueError(f"{name!r} -> {fused!r}: rows {offset}:{offset + shape[0]} of the "
+                             f"local {tuple(whole.shape)} are not the region shape {shape}")
+        out[name] = view
+    return out
+
+
+class AvridWorkerExtension:
+    """Mixed into every vLLM worker by ``worker_extension_cls``; `VllmSink` calls these by
+    name through `collective_rpc`. `self.model_runner` is the vLLM GPU worker's (not run here).
+    """
+
+    model_runner: Any
+
+    def _avrid_tp_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def _avrid_params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model_runner.model.named_parameters())
+
+    def avrid_load_full(self, tensors: dict[str, torch.Tensor]) -> int:
+        """vLLM's documented in-place path: HF names and full tensors to `load_weights`."""
+        self.model_runner.model.load_weights(weights=iter(tensors.items()))
+        return len(tensors)
+
+    def avrid_load_slices(self, rank: int, spec: list[LocalView],
+                          tensors: dict[str, torch.Tensor]) -> int:
+        """Copy rank `rank`'s slices into this worker's fused parameters, if it is that rank."""
+        if self._avrid_tp_rank() != rank:
+            return 0
+        views = vllm_local_views(self._avrid_params(), spec)
+        for name, view in views.items():
+            t = tensors[name]  # copy_ would broadcast or cast silently: check first
+            if t.shape != view.shape or t.dtype != view.dtype:
+                raise ValueError(f"{name!r}: got {tuple(t.shape)} {t.dtype}, vLLM holds "
+                                 f"{tuple(view.shape)} {view.dtype}")
+        with torch.no_grad():
+            for name, view in views.items():
+                view.copy_(tensors[name])
+        return len(views)
+
+    def avrid_checksums(self, specs: list[list[LocalView]]) -> tuple[int, dict[str, int]]:
+        """(TP rank, partial fingerprints of its counted regions), computed where they live."""
+        rank = self._avrid_tp_rank()
+        views = vllm_local_views(self._avrid_params(), specs[rank])
+        return rank, {name: region_checksum(views[name], shape, bounds)
+                      for name, _, _, shape, bounds, counted in specs[rank] if counted}
+
+
+def _known(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise KeyError(f"the engine has no tensor {name!r} ({len(tensors)} known, e.g. "
+                       f"{sorted(tensors)[:4]})")
+    return tensors[name]
