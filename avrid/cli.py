@@ -22,6 +22,7 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch01_workers", "Ray basics, worker identity, the mesh and placement groups"),
     ("ch02_dispatch", "token-aware dispatch: balanced shards, token-budget micro-batches"),
     ("ch03_results", "canonical results, exact metric merge, the worker timeline"),
+    ("ch04_resharding", "resharding: FSDP shards to TP slices, minimum bytes, fingerprints"),
 )
 
 

@@ -195,7 +195,13 @@ class ReshardWorker(Worker):
     fingerprints of both sides."""
 
     def reshard(self, plan: object, full: dict, naive: bool = False) -> tuple:
-        from avrid.reshard.executor import ProcessMap, execute, layout_checksums, naive_allgather
+        from avrid.reshard.executor import (
+            ProcessMap,
+            execute,
+            expected_slice_checksums,
+            layout_checksums,
+            naive_allgather,
+        )
 
         self.init_distributed(timeout_s=60)
         try:
@@ -210,6 +216,7 @@ class ReshardWorker(Worker):
             else:
                 out = execute(plan, self.identity.rank, shards)
             return (dst, out, layout_checksums(plan.source, src, shards),
-                    layout_checksums(plan.target, dst, out))
+                    layout_checksums(plan.target, dst, out),
+                    expected_slice_checksums(plan.source, plan.target, src, shards))
         finally:
             self.destroy_distributed()

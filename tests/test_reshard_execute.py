@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from avrid.reshard.executor import ProcessMap
+from avrid.reshard.executor import ProcessMap, slice_checksums
 from avrid.reshard.fingerprint import StaleWeightsError, check_same, combine
 from avrid.reshard.layout import ModelLayout
 from avrid.reshard.planner import plan_transfer
@@ -70,7 +70,7 @@ def test_targets_are_bit_identical_to_the_full_weights(dp: int, tp: int,
     for naive in (False, True):
         outs = run(plan, full, naive=naive)
         seen = set()
-        for dst, out, _, _ in outs:
+        for dst, out, *_ in outs:
             if dst is None:
                 continue
             seen.add(dst)
@@ -81,8 +81,11 @@ def test_targets_are_bit_identical_to_the_full_weights(dp: int, tp: int,
         assert seen == set(range(tp))
         if not naive:
             # The fingerprints of both sides add up to the same whole-tensor checksums.
-            expected = combine(src_sums for _, _, src_sums, _ in outs)
-            check_same(expected, combine(dst_sums for _, _, _, dst_sums in outs))
+            expected = combine(o[2] for o in outs)
+            check_same(expected, combine(o[3] for o in outs))
+            # and slice by slice, replicas included
+            check_same(combine(o[4] for o in outs),
+                       combine(slice_checksums(plan.target, o[0], o[1]) for o in outs))
 
 
 def test_fingerprint_check_catches_a_corrupted_tensor() -> None:
@@ -93,11 +96,22 @@ def test_fingerprint_check_catches_a_corrupted_tensor() -> None:
     plan = plan_transfer(ModelLayout.fsdp(shapes, 2), decoder_tp_layout(shapes, 2),
                          same_process={0: 0, 1: 1}, bucket_bytes=2048)
     outs = run(plan, full)
-    expected = combine(s for _, _, s, _ in outs)
-    dst, out, _, _ = next(o for o in outs if o[0] == 1)
+    expected = combine(o[2] for o in outs)
+    dst, out, *_ = next(o for o in outs if o[0] == 1)
     name = "model.layers.0.mlp.up_proj.weight"
     out[name].view(-1)[5] += 1.0  # one element of one slice on one rank goes stale
     actual = combine([layout_checksums(plan.target, dst, out)]
                      + [o[3] for o in outs if o[0] != 1])
     with pytest.raises(StaleWeightsError, match=r"differ: \['model.layers.0.mlp.up_proj"):
         check_same(expected, actual)
+    # A stale *replica* (the norm copy on TP rank 1) escapes the whole-tensor sums, which count
+    # each replicated element once, but not the slice-by-slice check, which also names the rank.
+    out[name].copy_(full[name][plan.target[name].regions[1].to_slices()])  # mend it
+    norm = "model.layers.0.input_layernorm.weight"
+    out[norm].view(-1)[0] += 1.0
+    check_same(expected, combine([layout_checksums(plan.target, dst, out)]
+                                 + [o[3] for o in outs if o[0] != 1]))  # the gap: passes
+    with pytest.raises(StaleWeightsError, match=r"differ: \['model.layers.0.input_layernorm"
+                                                r".weight@t1'\]"):
+        check_same(combine(o[4] for o in outs),
+                   combine(slice_checksums(plan.target, o[0], o[1]) for o in outs))

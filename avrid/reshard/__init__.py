@@ -3,12 +3,18 @@
 
 Read in this order: layout.py (regions and layouts), tp_layout.py (how vLLM shards a decoder),
 planner.py (the pure minimum-bytes transfer plan), executor.py (running it over
-torch.distributed, and the all-gather baseline), fingerprint.py (the stale-weights check).
-Being built (issue 5): loading into rollout engines (torch engine, vLLM adapter), the
-benchmark and the chapter material.
+torch.distributed, and the all-gather baseline), fingerprint.py (the stale-weights check),
+engines.py (loading into a torch engine or vLLM).
 """
 
-from avrid.reshard.executor import ProcessMap, execute, layout_checksums, naive_allgather
+from avrid.reshard.executor import (
+    ProcessMap,
+    execute,
+    expected_slice_checksums,
+    layout_checksums,
+    naive_allgather,
+    slice_checksums,
+)
 from avrid.reshard.fingerprint import (
     Fingerprint,
     StaleWeightsError,
@@ -24,6 +30,7 @@ from avrid.reshard.tp_layout import decoder_tp_layout
 __all__ = [
     "Bucket", "Fingerprint", "LayoutError", "ModelLayout", "ParamLayout", "ProcessMap",
     "Region", "StaleWeightsError", "Transfer", "TransferPlan", "check_same", "combine",
-    "decoder_tp_layout", "execute", "fingerprint", "layout_checksums", "naive_allgather",
-    "plan_transfer", "region_checksum",
+    "decoder_tp_layout", "execute", "expected_slice_checksums", "fingerprint",
+    "layout_checksums", "naive_allgather", "plan_transfer", "region_checksum",
+    "slice_checksums",
 ]

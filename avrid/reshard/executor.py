@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from avrid.reshard.fingerprint import region_checksum
 from avrid.reshard.layout import ModelLayout, Region
-from avrid.reshard.planner import TransferPlan
+from avrid.reshard.planner import Bucket, TransferPlan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,32 +76,41 @@ def execute(plan: TransferPlan, process: int, shards: Mapping[str, torch.Tensor]
     plays no target rank). `shards` holds this process's source shard of every parameter (the
     tensor of its source region; ignored if it plays no source rank)."""
     pmap = ProcessMap.for_plan(plan)
-    src, dst = pmap.roles_of(process)
+    _, dst = pmap.roles_of(process)
     out = _allocate(plan.target, dst, device)
     for t in plan.local:  # same process holds source and target: no network
         if t.dst_rank == dst:
             _slot(out, plan.target, t).copy_(_piece(shards, plan.source, t))
     for bucket in plan.buckets:
-        ops, landing = [], []
-        for t in bucket.transfers:
-            to, frm = pmap.target[t.dst_rank], pmap.source[t.src_rank]
-            if t.src_rank == src and frm == process and to != process:
-                # A contiguous copy: send buffers must be dense. Freed after the bucket.
-                ops.append(dist.P2POp(dist.isend, _piece(shards, plan.source, t).contiguous(),
-                                      to, group))
-            if t.dst_rank == dst and to == process:
-                if frm == process:  # sender and receiver in one process, not planned local
-                    _slot(out, plan.target, t).copy_(_piece(shards, plan.source, t))
-                    continue
-                buf = torch.empty(t.region.shape, dtype=out[t.param].dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buf, frm, group))
-                landing.append((t, buf))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for t, buf in landing:
-            _slot(out, plan.target, t).copy_(buf)
+        # One function call per bucket: its send and receive buffers die when it returns,
+        # before the next bucket allocates, so at most one bucket's worth is alive.
+        _run_bucket(bucket, plan, pmap, process, shards, out, group, device)
     return out
+
+
+def _run_bucket(bucket: Bucket, plan: TransferPlan, pmap: ProcessMap, process: int,
+                shards: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor],
+                group: dist.ProcessGroup | None, device: torch.device | str) -> None:
+    src, dst = pmap.roles_of(process)
+    ops, landing = [], []
+    for t in bucket.transfers:
+        to, frm = pmap.target[t.dst_rank], pmap.source[t.src_rank]
+        if t.src_rank == src and frm == process and to != process:
+            # A contiguous copy: send buffers must be dense.
+            ops.append(dist.P2POp(dist.isend, _piece(shards, plan.source, t).contiguous(),
+                                  to, group))
+        if t.dst_rank == dst and to == process:
+            if frm == process:  # sender and receiver in one process, not planned local
+                _slot(out, plan.target, t).copy_(_piece(shards, plan.source, t))
+                continue
+            buf = torch.empty(t.region.shape, dtype=out[t.param].dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, frm, group))
+            landing.append((t, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for t, buf in landing:
+        _slot(out, plan.target, t).copy_(buf)
 
 
 def naive_allgather(source: ModelLayout, target: ModelLayout, process: int,
@@ -136,8 +145,9 @@ def layout_checksums(layout: ModelLayout, rank: int | None,
     once across ranks (a region another, lower rank also holds is skipped), so that adding
     every rank's partials (`fingerprint.combine`) gives the whole tensors' checksums.
 
-    Known gap: a replica held by a higher rank is not covered, so a stale copy of a replicated
-    norm on TP rank 3 would pass; checking replicas against each other is still to do."""
+    A replica held by a higher rank is not covered by these whole-tensor sums (a stale copy of
+    a replicated norm on TP rank 1 would pass): use `slice_checksums` against
+    `expected_slice_checksums` to check every target rank's own slice, replicas included."""
     out: dict[str, int] = {}
     if rank is None:
         return out
@@ -149,6 +159,44 @@ def layout_checksums(layout: ModelLayout, rank: int | None,
                                    for r in p.regions[:rank]):
             continue  # replicated: the lowest holder speaks for it
         out[name] = region_checksum(tensors[name], p.shape, region.bounds)
+    return out
+
+
+def slice_checksums(target: ModelLayout, rank: int | None,
+                    tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Checksum of each slice target rank `rank` holds, keyed ``"name@t<rank>"``: one entry
+    per (parameter, target rank), so a stale replica is caught and located."""
+    if rank is None:
+        return {}
+    return {f"{name}@t{rank}": region_checksum(tensors[name], p.shape, p.regions[rank].bounds)
+            for name, p in target.params if p.regions[rank] is not None}
+
+
+def expected_slice_checksums(source: ModelLayout, target: ModelLayout, rank: int | None,
+                             shards: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """What source rank `rank` contributes to every target slice's checksum: the checksum of
+    (its shard, minus what lower source ranks also hold) within each target region. Adding
+    every source rank's dict (`fingerprint.combine`) gives `slice_checksums` of a correct
+    sync, computed without gathering anything."""
+    out: dict[str, int] = {}
+    if rank is None:
+        return out
+    for name, p in source.params:
+        held = p.regions[rank]
+        if held is None:
+            continue
+        pieces = [held]
+        for lower in p.regions[:rank] if p.allow_overlap else ():
+            if lower is not None:  # elements a lower rank also holds are counted there
+                pieces = [box for piece in pieces for box in piece.subtract(lower)]
+        for t, region in enumerate(target[name].regions):
+            for piece in pieces:
+                part = None if region is None else piece.intersect(region)
+                if part is not None and not part.is_empty:
+                    key = f"{name}@t{t}"
+                    value = region_checksum(shards[name][part.relative_to(held).to_slices()],
+                                            p.shape, part.bounds)
+                    out[key] = (out.get(key, 0) + value) % (1 << 64)
     return out
 
 
