@@ -71,7 +71,7 @@ from avrid.reshard.executor import ProcessMap, execute, layout_checksums, naive_
 from avrid.reshard.fingerprint import combine
 from avrid.reshard.layout import ModelLayout
 from avrid.reshard.planner import TransferPlan, plan_transfer
-from avrid.reshard.tp_layout import decoder_tp_layout
+from avrid.reshard.tp_layout import decoder_shapes, decoder_tp_layout
 from avrid.workers import (
     Mesh,
     RayBackend,
@@ -86,32 +86,6 @@ TARGET_BYTES = 1.00  # planned bytes / lower bound
 TARGET_TIME = 0.6  # planned / all-gather wall time, judged when tp < dp
 MB = 1e6
 PATHS = ("planned", "all-gather")
-
-
-def model_shapes(layers: int, hidden: int, inter: int, kv: int,
-                 vocab: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """A Qwen2-style decoder's parameters (q/k/v biases, two norms per layer), float32."""
-    f = "float32"
-    shapes = {"model.embed_tokens.weight": ((vocab, hidden), f)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.self_attn.q_proj.weight": ((hidden, hidden), f),
-            f"{p}.self_attn.q_proj.bias": ((hidden,), f),
-            f"{p}.self_attn.k_proj.weight": ((kv, hidden), f),
-            f"{p}.self_attn.k_proj.bias": ((kv,), f),
-            f"{p}.self_attn.v_proj.weight": ((kv, hidden), f),
-            f"{p}.self_attn.v_proj.bias": ((kv,), f),
-            f"{p}.self_attn.o_proj.weight": ((hidden, hidden), f),
-            f"{p}.mlp.gate_proj.weight": ((inter, hidden), f),
-            f"{p}.mlp.up_proj.weight": ((inter, hidden), f),
-            f"{p}.mlp.down_proj.weight": ((hidden, inter), f),
-            f"{p}.input_layernorm.weight": ((hidden,), f),
-            f"{p}.post_attention_layernorm.weight": ((hidden,), f),
-        })
-    shapes["model.norm.weight"] = ((hidden,), f)
-    shapes["lm_head.weight"] = ((vocab, hidden), f)
-    return shapes
 
 
 def allgather_bytes(source: ModelLayout, world: int) -> int:
@@ -229,7 +203,9 @@ def in_group(plan: TransferPlan, seed: int, body: Callable[[Any], Any]) -> Any:
 def run(args: argparse.Namespace) -> None:
     """Plan, measure memory per path in fresh groups, time both interleaved, report."""
     kv = args.kv_heads * 64
-    shapes = model_shapes(args.layers, args.hidden, args.intermediate, kv, args.vocab)
+    shapes = decoder_shapes(layers=args.layers, hidden=args.hidden,
+                            intermediate=args.intermediate, heads=args.hidden // 64,
+                            kv_heads=args.kv_heads, vocab=args.vocab)  # heads of 64
     n_params = sum(torch.Size(s).numel() for s, _ in shapes.values())
     same = {} if args.disaggregated else {t: t for t in range(min(args.dp, args.tp))}
     t0 = time.perf_counter()

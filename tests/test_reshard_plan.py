@@ -381,3 +381,15 @@ def test_plan_is_a_frozen_picklable_value() -> None:
     assert pickle.loads(pickle.dumps(plan)) == plan  # layouts and plans travel to workers
     with pytest.raises(AttributeError):
         plan.lower_bound = 0  # type: ignore[misc]
+
+
+def test_decoder_shapes_from_a_config_feed_both_layouts() -> None:
+    from avrid.reshard.tp_layout import decoder_shapes
+
+    shapes = decoder_shapes(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
+                            vocab=128, dtype="bfloat16")
+    assert len(shapes) == 2 * 12 + 3
+    assert shapes["model.layers.1.self_attn.v_proj.weight"] == ((32, 64), "bfloat16")
+    plan = plan_transfer(ModelLayout.fsdp(shapes, 4), decoder_tp_layout(shapes, 2, head_dim=16),
+                         same_process={0: 0, 1: 1}, bucket_bytes=1 << 16)
+    assert plan.bytes_moved == plan.lower_bound > 0

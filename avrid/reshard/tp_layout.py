@@ -1,6 +1,7 @@
 """Chapter 4 — the tensor-parallel layout vLLM gives a transformers decoder.
 
-`decoder_tp_layout(shapes, tp)` reads parameter names of a Qwen2/Llama-family model and says,
+`decoder_shapes(...)` lists a decoder's parameters from its config; `decoder_tp_layout(shapes,
+tp)` reads parameter names of a Qwen2/Llama-family model and says,
 for each, which rows or columns every tensor-parallel rank holds: column-parallel q/k/v and
 gate/up, row-parallel o/down, vocab-parallel embeddings and lm_head (padded to a multiple of
 64 as vLLM does), replicated norms. It builds `ModelLayout`s (`layout.py`); it does not plan
@@ -28,6 +29,42 @@ _COLUMN = _ATTN | {"gate_proj", "up_proj"}
 _ROW = frozenset({"o_proj", "down_proj"})
 _VOCAB = frozenset({"embed_tokens", "lm_head"})
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+def decoder_shapes(*, layers: int, hidden: int, intermediate: int, heads: int,
+                   kv_heads: int, vocab: int, dtype: DType = "float32") -> Shapes:
+    """Name -> (shape, dtype) of every parameter of a Qwen2-style decoder, from its config,
+    without building it: q/k/v with biases, o, gate/up/down, two norms per layer, the final
+    norm, embeddings and an untied lm_head — the names transformers uses.
+
+    Example:
+        >>> s = decoder_shapes(layers=1, hidden=8, intermediate=16, heads=2, kv_heads=1,
+        ...                    vocab=64)
+        >>> s["model.layers.0.self_attn.k_proj.weight"], len(s)
+        (((4, 8), 'float32'), 15)
+    """
+    kv = kv_heads * (hidden // heads)
+    shapes: dict[str, tuple[tuple[int, ...], DType]] = {
+        "model.embed_tokens.weight": ((vocab, hidden), dtype)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.self_attn.q_proj.weight": ((hidden, hidden), dtype),
+            f"{p}.self_attn.q_proj.bias": ((hidden,), dtype),
+            f"{p}.self_attn.k_proj.weight": ((kv, hidden), dtype),
+            f"{p}.self_attn.k_proj.bias": ((kv,), dtype),
+            f"{p}.self_attn.v_proj.weight": ((kv, hidden), dtype),
+            f"{p}.self_attn.v_proj.bias": ((kv,), dtype),
+            f"{p}.self_attn.o_proj.weight": ((hidden, hidden), dtype),
+            f"{p}.mlp.gate_proj.weight": ((intermediate, hidden), dtype),
+            f"{p}.mlp.up_proj.weight": ((intermediate, hidden), dtype),
+            f"{p}.mlp.down_proj.weight": ((hidden, intermediate), dtype),
+            f"{p}.input_layernorm.weight": ((hidden,), dtype),
+            f"{p}.post_attention_layernorm.weight": ((hidden,), dtype),
+        })
+    shapes["model.norm.weight"] = ((hidden,), dtype)
+    shapes["lm_head.weight"] = ((vocab, hidden), dtype)
+    return shapes
 
 
 def decoder_tp_layout(shapes: Shapes, tp: int, *, head_dim: int | None = None,
