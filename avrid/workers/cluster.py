@@ -34,10 +34,11 @@ def make_identity(spec: RoleSpec, slot: Slot, rendezvous: Rendezvous | None) -> 
 class Cluster:
     """The worker groups of a launched placement. Use it as a context manager.
 
-    Example:
-        >>> with RayBackend().launch(plan) as cluster:          # doctest: +SKIP
-        ...     actor = cluster.group("actor", ActorWorker)
-        ...     actor.call(ActorWorker.ping)
+    Example (a sketch; `chapters/ch01_workers` runs it for real)::
+
+        with RayBackend().launch(plan) as cluster:
+            actor = cluster.group("actor", ActorWorker)
+            actor.call(ActorWorker.ping)
     """
 
     def __init__(self, plan: PlacementPlan, groups: Mapping[str, WorkerGroup],

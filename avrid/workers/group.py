@@ -72,10 +72,11 @@ class PendingCall(Generic[R]):
 class WorkerGroup(Generic[W]):
     """The workers of one role, one per rank, with explicit method calls.
 
-    Example (any backend; see `chapters/ch01_workers` for a full run):
-        >>> with InProcessBackend().launch(plan) as cluster:       # doctest: +SKIP
-        ...     actors = cluster.group("actor", ActorWorker)
-        ...     actors.call(ActorWorker.ping)                       # -> one result per rank
+    Example (a sketch, any backend; `chapters/ch01_workers` runs it for real)::
+
+        with InProcessBackend().launch(plan) as cluster:
+            actors = cluster.group("actor", ActorWorker)
+            actors.call(ActorWorker.ping)                       # -> one result per rank
     """
 
     def __init__(self, *, role: str, worker_cls: type[W], mesh: Mesh,

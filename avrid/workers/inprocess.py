@@ -99,10 +99,11 @@ class _ThreadChannel:
 class InProcessBackend:
     """Runs every role's workers inside this process (see the module docstring).
 
-    Example:
-        >>> backend = InProcessBackend(concurrent=True)   # threads, so collectives work
-        >>> with backend.launch(plan) as cluster:         # doctest: +SKIP
-        ...     cluster.group("actor").call(ActorWorker.all_reduce_rank)
+    Example (a sketch; `chapters/ch01_workers` runs it for real)::
+
+        backend = InProcessBackend(concurrent=True)   # threads, so collectives work
+        with backend.launch(plan) as cluster:
+            cluster.group("actor").call(ActorWorker.all_reduce_rank)
     """
 
     def __init__(self, *, concurrent: bool = False, call_timeout_s: float | None = None):

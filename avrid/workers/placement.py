@@ -86,7 +86,8 @@ class ResourcePool:
 
     def total(self) -> dict[str, float]:
         """Total CPUs and GPUs the pool reserves."""
-        return {"CPU": sum(b.cpus for b in self.bundles), "GPU": sum(b.gpus for b in self.bundles)}
+        return {"CPU": float(sum(b.cpus for b in self.bundles)),
+                "GPU": float(sum(b.gpus for b in self.bundles))}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
