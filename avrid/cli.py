@@ -1,11 +1,13 @@
 """The `avrid` command: the entry point for learners and, from chapter 5 on, for training.
 
+    avrid ppo               train: PPO on CPU with the default preset (the README's main job)
+    avrid ppo --algo grpo   the same with GRPO;  --preset NAME, --set section.field=value ...
     avrid chapters          list the chapters and how to run each demo
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
-    avrid demo all          run every chapter's demo in order (the README's main job for now)
+    avrid demo all          run every chapter's demo in order
 
-It sits above every layer (it will also start PPO runs) and holds no logic of its own: each
-demo lives in its chapter package. Chapters are run from the source checkout, so this command
+It sits above every layer and holds no logic of its own: training is `avrid.ppo.run.train`,
+each demo lives in its chapter package. Chapters are run from the source checkout, so `demo`
 needs the repository that avrid was installed from (``pip install -e .``).
 """
 
@@ -23,6 +25,7 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch02_dispatch", "token-aware dispatch: balanced shards, token-budget micro-batches"),
     ("ch03_results", "canonical results, exact metric merge, the worker timeline"),
     ("ch04_resharding", "resharding: FSDP shards to TP slices, minimum bytes, fingerprints"),
+    ("ch05_ppo", "the PPO/GRPO loop: roles, RL math, rollouts, weight sync, checkpoints"),
 )
 
 
@@ -52,7 +55,24 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("chapters", help="list the chapters")
     demo = sub.add_parser("demo", help="run a chapter's demo on CPU")
     demo.add_argument("chapter", help="e.g. ch01, ch01_workers, or all")
+    ppo = sub.add_parser("ppo", help="train with PPO or GRPO (default: tiny PPO on CPU)")
+    ppo.add_argument("--preset", default="tiny-ppo",
+                     help="tiny-ppo (default), tiny-grpo, small-cpu, qwen-gsm8k")
+    ppo.add_argument("--algo", choices=("ppo", "grpo"), help="override algo.name")
+    ppo.add_argument("--steps", type=int, help="override train.steps")
+    ppo.add_argument("--seed", type=int, help="override train.seed")
+    ppo.add_argument("--out", help="override train.out_dir")
+    ppo.add_argument("--backend", choices=("ray", "inprocess"), help="placement.backend")
+    ppo.add_argument("--task", help="task name, e.g. digits, gsm8k, my_module:make_task")
+    ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    ppo.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="SECTION.FIELD=VALUE", help="any config field; repeatable")
+    ppo.add_argument("--print-config", action="store_true", help="print the config and exit")
     args = parser.parse_args(argv)
+
+    if args.command == "ppo":
+        _ppo(args)
+        return
 
     if args.command == "chapters":
         for pkg, topic in CHAPTERS:
@@ -72,6 +92,40 @@ def main(argv: list[str] | None = None) -> None:
         except SystemExit as done:  # a demo's `raise SystemExit(main())` must not end the loop
             if done.code not in (None, 0):
                 raise
+
+
+def _ppo(args: argparse.Namespace) -> None:
+    """Build the config from preset + flags (validated once), then train."""
+    import json
+
+    from avrid.ppo.config import with_overrides
+    from avrid.ppo.presets import preset
+    from avrid.ppo.run import config_dict, train
+
+    sets = []
+    for flag, field in (("algo", "algo.name"), ("steps", "train.steps"),
+                        ("seed", "train.seed"), ("out", "train.out_dir"),
+                        ("backend", "placement.backend"), ("task", "task.name")):
+        if getattr(args, flag) is not None:
+            sets.append(f"{field}={getattr(args, flag)}")
+    if args.algo == "grpo" and args.out is None and args.preset == "tiny-ppo":
+        sets.append("train.out_dir=runs/tiny_grpo")
+    if args.resume:
+        sets.append("train.resume=true")
+    if args.backend == "inprocess":  # threads cannot form an FSDP group: one rank per role
+        sets += ["placement.actor_dp=1", "placement.critic_dp=1"]
+    try:
+        config = with_overrides(preset(args.preset), sets + args.overrides)
+    except (ValueError, TypeError) as e:
+        print(f"avrid ppo: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.print_config:
+        print(json.dumps(config_dict(config), indent=2))
+        return
+    summary = train(config, log=print)
+    print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; validation "
+          f"reward {summary.initial_val_reward:.3f} -> {summary.final_val_reward:.3f}; "
+          f"outputs in {summary.out_dir}/")
 
 
 if __name__ == "__main__":

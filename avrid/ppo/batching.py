@@ -1,0 +1,123 @@
+"""Chapter 5 — from a packed micro-batch to model inputs and back, and global loss weights.
+
+Dispatch moves packed rows (chapter 2); a transformers model wants a right-padded
+(n, longest) tensor. This file does the two conversions every worker needs:
+
+- `model_inputs(batch)`: ``input_ids``/``attention_mask``/``position_ids`` for the full
+  sequences (prompt + response) and, for the response tokens, where their predicting logits
+  sit: token j of a response is at position ``P + j`` and is predicted by the logits at
+  ``P + j - 1``. Position ids start at 0 at each row's first token, like the rollout engine's.
+- `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
+
+And the one piece of arithmetic that makes data-parallel training exact: `loss_weights`.
+Each worker only sees its shard, yet the loss must be the mini-batch's loss (a token mean over
+ALL tokens, not the mean of per-worker means). So each token's loss is weighted by 1 / the
+GLOBAL denominator and the workers' gradients are summed. FSDP averages gradients over ranks,
+so the weights are multiplied by the world size to turn that average back into a sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from avrid.dispatch import Batch, Packed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInputs:
+    """A right-padded micro-batch ready for ``model(input_ids, attention_mask, position_ids)``."""
+
+    input_ids: torch.Tensor
+    """(n, L) int64, L = the longest prompt + response; padding holds `pad_id`."""
+    attention_mask: torch.Tensor
+    """(n, L) int64, 1 on real tokens."""
+    position_ids: torch.Tensor
+    """(n, L) int64, 0.. on real tokens (padding repeats 0; it is never attended to)."""
+    logit_index: torch.Tensor
+    """(n, T) int64, T = longest response: for response token j, the position whose logits
+    predict it (P + j - 1); padding points at 0."""
+    response_ids: torch.Tensor
+    """(n, T) int64 response tokens, right-padded with `pad_id`."""
+    response_mask: torch.Tensor
+    """(n, T) float32, 1 on real response tokens."""
+
+
+def model_inputs(batch: Batch, pad_id: int) -> ModelInputs:
+    """Right-pad `batch.packed["tokens"]` (prompt + response per row) for a forward pass.
+
+    Example:
+        >>> b = Batch.from_rows(sample_ids=[0, 1], prompt_lens=[2, 1], response_lens=[1, 2],
+        ...     packed={"tokens": [torch.tensor([5, 6, 7]), torch.tensor([5, 8, 9])]})
+        >>> x = model_inputs(b, pad_id=0)
+        >>> x.logit_index.tolist(), x.response_ids.tolist()
+        ([[1, 0], [0, 1]], [[7, 0], [8, 9]])
+    """
+    tokens = batch.packed["tokens"]
+    total = tokens.lengths
+    n, width = len(batch), int(total.max()) if len(batch) else 0
+    cols = torch.arange(width)
+    attention = (cols < total[:, None]).to(torch.int64)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    input_ids[attention.bool()] = tokens.values.to(torch.int64)
+    position_ids = cols.expand(n, width) * attention
+    resp_mask = response_mask(batch)
+    steps = torch.arange(resp_mask.shape[1])
+    logit_index = (batch.prompt_lens[:, None] - 1 + steps) * resp_mask.long()
+    response_ids = torch.where(resp_mask.bool(), input_ids.gather(1, logit_index + 1), pad_id)
+    return ModelInputs(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                       logit_index=logit_index, response_ids=response_ids,
+                       response_mask=resp_mask)
+
+
+def response_mask(batch: Batch) -> torch.Tensor:
+    """(n, T) float32: 1 where row i has its j-th response token (T = longest response)."""
+    width = int(batch.response_lens.max()) if len(batch) else 0
+    return (torch.arange(width) < batch.response_lens[:, None]).float()
+
+
+def padded(batch: Batch, column: str, fill: float = 0.0) -> torch.Tensor:
+    """A packed per-response-token column as a right-padded (n, T) float32 tensor."""
+    col = batch.packed[column]
+    if not torch.equal(col.lengths, batch.response_lens):
+        raise ValueError(f"column {column!r} must hold one value per response token")
+    mask = response_mask(batch).bool()
+    out = torch.full(mask.shape, fill, dtype=torch.float32)
+    out[mask] = col.values.float()
+    return out
+
+
+def packed(values: torch.Tensor, mask: torch.Tensor) -> Packed:
+    """The inverse of `padded`: keep each row's masked (valid) entries, packed."""
+    keep = mask.bool()
+    offsets = torch.zeros(len(values) + 1, dtype=torch.int64)
+    torch.cumsum(keep.sum(1), 0, out=offsets[1:])
+    return Packed(values=values[keep], offsets=offsets)
+
+
+def loss_weights(mask: torch.Tensor, mode: str, *, global_tokens: int, global_seqs: int,
+                 norm_len: int | None, world_size: int) -> torch.Tensor:
+    """Per-token weights w such that ``sum(w * token_loss)`` summed over all ranks (FSDP
+    averages, hence the ``* world_size``) equals `losses.aggregate(..., mode)` of the whole
+    mini-batch. ``global_*`` count the mini-batch's valid tokens / sequences on all ranks.
+
+    Example (token-mean over 4 tokens on 1 rank: each token weighs 1/4):
+        >>> loss_weights(torch.ones(1, 4), "token-mean", global_tokens=4, global_seqs=1,
+        ...              norm_len=None, world_size=1).tolist()
+        [[0.25, 0.25, 0.25, 0.25]]
+    """
+    mask = mask.float()
+    if mode == "token-mean":
+        w = mask / max(global_tokens, 1)
+    elif mode == "seq-mean-token-sum":
+        w = mask / max(global_seqs, 1)
+    elif mode == "seq-mean-token-mean":
+        w = mask / mask.sum(1, keepdim=True).clamp(min=1) / max(global_seqs, 1)
+    elif mode == "seq-mean-token-sum-norm":
+        if not norm_len:
+            raise ValueError("loss mode 'seq-mean-token-sum-norm' needs norm_len")
+        w = mask / (norm_len * max(global_seqs, 1))
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}")
+    return w * world_size

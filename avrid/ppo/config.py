@@ -1,0 +1,375 @@
+"""Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
+
+One `PPOConfig` holds six small sections. Every field has a docstring, a default that runs on
+a laptop, and a check in `__post_init__` that names the field and the allowed range, so a bad
+value fails when the config is made — before Ray starts or any worker loads a model.
+
+Two kinds of sizes, never mixed:
+
+- algorithmic sizes are GLOBAL and define the experiment: `prompts_per_step`,
+  `responses_per_prompt`, `mini_batch_size` (sequences per optimizer step). Changing the number
+  of workers does not change them.
+- performance sizes are PER WORKER and only change speed/memory: `micro_batch_tokens` (the
+  token budget of one forward/backward on one worker). Nothing has to divide anything: the
+  dispatcher balances tokens over workers and the last mini-batch may be smaller.
+
+Configs are frozen; `with_overrides(config, ["algo.name=grpo", "train.steps=50"])` returns a
+new, re-validated config (the command line's ``--set``). Presets live in `presets.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from avrid.ppo.losses import AGG_MODES, KL_KINDS
+
+ALGORITHMS = ("ppo", "grpo")
+BACKENDS = ("ray", "inprocess")
+ENGINES = ("torch", "vllm")
+DEVICES = ("cpu", "cuda")
+
+
+def _need(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"config field {field_name!r}: {message}")
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, v in values.items():
+        _need(v > 0, f"{section}.{name}", f"must be > 0, got {v}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """Which policy/critic to train. Without `path`, a tiny model is built from the fields
+    below (random init, no download); with `path`, a local transformers checkpoint is read."""
+
+    path: str | None = None
+    """Local directory of a transformers causal LM (e.g. Qwen2.5-0.5B-Instruct); None = tiny."""
+    critic_path: str | None = None
+    """Local checkpoint for the critic's trunk; None = the policy's (`path`) or a tiny model."""
+    tokenizer: str | None = None
+    """"char" (the task's alphabet, one token per character) or a local tokenizer directory;
+    None = "char" for a tiny model, `path` otherwise."""
+    chat_template: bool = False
+    """Wrap each prompt as one user message with the tokenizer's chat template."""
+    hidden_size: int = 64
+    """Tiny model: width."""
+    num_layers: int = 2
+    """Tiny model: decoder layers."""
+    num_heads: int = 4
+    """Tiny model: attention heads (hidden_size must be divisible by it)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training dtype of the weights."""
+
+    def __post_init__(self) -> None:
+        _positive("model", hidden_size=self.hidden_size, num_layers=self.num_layers,
+                  num_heads=self.num_heads)
+        _need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
+              f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        _need(self.dtype in ("float32", "bfloat16"), "model.dtype",
+              f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        _need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
+              "a tiny model (no model.path) uses the 'char' tokenizer")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskConfig:
+    """Where prompts and rewards come from (see `tasks.load_task`)."""
+
+    name: str = "digits"
+    """"digits" (built in), "gsm8k" (needs `path`), or "package.module:factory" (your own)."""
+    path: str | None = None
+    """Local data file (.jsonl or .parquet) for tasks that read one (gsm8k)."""
+    options: Mapping[str, Any] = field(default_factory=lambda: {"op": "reverse", "length": 3})
+    """Extra keyword arguments for the task's constructor/factory."""
+
+    def __post_init__(self) -> None:
+        _need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
+              "'package.module:factory'")
+        _need(self.name != "gsm8k" or self.path is not None, "task.path",
+              "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
+        object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlgoConfig:
+    """The RL algorithm. PPO learns a critic and uses GAE; GRPO drops the critic and
+    normalises each response's score within its group of responses to the same prompt."""
+
+    name: Literal["ppo", "grpo"] = "ppo"
+    """"ppo" (actor + critic, GAE) or "grpo" (group-relative advantages, no critic)."""
+    responses_per_prompt: int = 8
+    """Responses sampled per prompt (GRPO's group size; PPO uses them as plain samples)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+    grpo_norm_by_std: bool = True
+    """GRPO divides by the group's std; False is Dr.GRPO (pair with seq-mean-token-sum-norm)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO ratio clip above: ratio <= 1 + clip_high (DAPO's clip-higher when > clip_low)."""
+    dual_clip: float | None = 3.0
+    """Dual clip c > 1 bounding the loss of negative advantages; None disables it."""
+    value_clip: float | None = 0.5
+    """Critic value clip around the old values; None disables it."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (0 = no reference model is run)."""
+    kl_in: Literal["reward", "loss"] = "loss"
+    """Where the KL goes: subtracted from the token rewards, or added to the actor loss."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the actor loss."""
+    loss_agg: str = "token-mean"
+    """How token losses become one number; one of `losses.AGG_MODES`."""
+    whiten_advantages: bool = True
+    """PPO: whiten GAE advantages over the batch (GRPO's are already normalised)."""
+
+    def __post_init__(self) -> None:
+        _need(self.name in ALGORITHMS, "algo.name",
+              f"unknown algorithm {self.name!r}; allowed: {', '.join(ALGORITHMS)}")
+        _positive("algo", responses_per_prompt=self.responses_per_prompt)
+        _need(self.name != "grpo" or self.responses_per_prompt >= 2, "algo.responses_per_prompt",
+              f"GRPO compares responses within a group, so it needs >= 2, got "
+              f"{self.responses_per_prompt}")
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            _need(0.0 <= v <= 1.0, f"algo.{name}", f"must be in [0, 1], got {v}")
+        _need(0.0 < self.clip_low < 1.0, "algo.clip_low",
+              f"must be in (0, 1) (ratio >= 1 - clip_low > 0), got {self.clip_low}")
+        _need(0.0 < self.clip_high <= 10.0, "algo.clip_high",
+              f"must be in (0, 10], got {self.clip_high}")
+        _need(self.dual_clip is None or self.dual_clip > 1.0, "algo.dual_clip",
+              f"must be > 1 or None, got {self.dual_clip}")
+        _need(self.value_clip is None or self.value_clip > 0, "algo.value_clip",
+              f"must be > 0 or None, got {self.value_clip}")
+        _need(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "algo.kl_coef",
+              f"must be a finite number >= 0, got {self.kl_coef}")
+        _need(self.kl_in in ("reward", "loss"), "algo.kl_in",
+              f"must be 'reward' or 'loss', got {self.kl_in!r}")
+        _need(self.kl_kind in KL_KINDS, "algo.kl_kind",
+              f"unknown KL estimator {self.kl_kind!r}; allowed: {', '.join(KL_KINDS)}")
+        _need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        _need(self.loss_agg in AGG_MODES, "algo.loss_agg",
+              f"unknown mode {self.loss_agg!r}; allowed: {', '.join(AGG_MODES)}")
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO learns a value function; GRPO does not."""
+        return self.name == "ppo"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutConfig:
+    """Generation."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """"torch" (the transformers model itself; any device) or "vllm" (GPU)."""
+    max_response_tokens: int | None = None
+    """Cap on generated tokens; None = the task's hint."""
+    max_prompt_tokens: int = 64
+    """Longest prompt accepted; longer prompts fail at start with the prompt named."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of softmax(logits / temperature))."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 = off."""
+    val_greedy: bool = True
+    """Validation decodes greedily (the reward the trained policy gets, without sampling luck)."""
+    gpu_memory_utilization: float = 0.4
+    """vLLM: share of GPU memory for weights + KV cache (the trainer uses the rest)."""
+
+    def __post_init__(self) -> None:
+        _need(self.engine in ENGINES, "rollout.engine",
+              f"unknown engine {self.engine!r}; allowed: {', '.join(ENGINES)}")
+        _need(self.max_response_tokens is None or self.max_response_tokens >= 1,
+              "rollout.max_response_tokens", f"must be >= 1, got {self.max_response_tokens}")
+        _positive("rollout", max_prompt_tokens=self.max_prompt_tokens,
+                  temperature=self.temperature)
+        _need(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
+        _need(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
+              f"must be in (0, 1), got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """Schedule, optimisation and the run's outputs."""
+
+    steps: int = 150
+    """Training steps (one step = generate, score, learn, sync)."""
+    prompts_per_step: int = 32
+    """GLOBAL prompts per step; each gets `algo.responses_per_prompt` responses."""
+    mini_batch_size: int = 128
+    """GLOBAL sequences per optimizer step; the step's batch is cut into ceil(n / this)."""
+    ppo_epochs: int = 1
+    """Passes over the step's batch."""
+    micro_batch_tokens: int = 4096
+    """PER WORKER token budget of one forward/backward (speed/memory only)."""
+    actor_lr: float = 1e-3
+    """Actor AdamW learning rate."""
+    critic_lr: float = 1e-3
+    """Critic AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (clip_grad_norm_ over all DP shards)."""
+    critic_warmup_steps: int = 0
+    """Steps at the start that train only the critic (PPO)."""
+    seed: int = 0
+    """Seeds model init, data order and sampling: same seed, same metrics."""
+    val_every: int = 25
+    """Validate every this many steps (and at step 0 and the last step)."""
+    val_prompts: int = 200
+    """Held-out prompts scored at each validation."""
+    out_dir: str = "runs/ppo"
+    """Where metrics.jsonl, samples.jsonl, plots and checkpoints go."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones are pruned after a new one lands)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir (same config required)."""
+    progress: bool = True
+    """Show a progress bar."""
+    samples_per_step: int = 4
+    """Rollout samples written to samples.jsonl each step."""
+    tensorboard: bool = False
+    """Also log to tensorboard (needs `pip install tensorboard`)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+
+    def __post_init__(self) -> None:
+        _positive("train", steps=self.steps, prompts_per_step=self.prompts_per_step,
+                  mini_batch_size=self.mini_batch_size, ppo_epochs=self.ppo_epochs,
+                  micro_batch_tokens=self.micro_batch_tokens, actor_lr=self.actor_lr,
+                  critic_lr=self.critic_lr, grad_clip=self.grad_clip,
+                  val_every=self.val_every, val_prompts=self.val_prompts)
+        for name in ("weight_decay", "critic_warmup_steps", "checkpoint_every",
+                     "samples_per_step"):
+            _need(getattr(self, name) >= 0, f"train.{name}",
+                  f"must be >= 0, got {getattr(self, name)}")
+        _positive("train", keep_checkpoints=self.keep_checkpoints)
+        _need(bool(self.out_dir), "train.out_dir", "must be a directory path")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementConfig:
+    """Where the roles run. Actor, reference and rollout always share processes (the hybrid
+    engine: no weight copy crosses a process); the critic shares their bundles or gets its
+    own."""
+
+    backend: Literal["ray", "inprocess"] = "ray"
+    """"ray" (one process per worker) or "inprocess" (threads; debugging, dp = 1 only)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where models run; "cuda" trains with NCCL and can use vLLM."""
+    actor_dp: int = 2
+    """Data-parallel ranks of the actor (+ reference + rollout); FSDP2 shards over them."""
+    critic_dp: int = 2
+    """Data-parallel ranks of the critic."""
+    colocate_critic: bool = True
+    """Critic in the actor's bundles (True) or in a pool of its own."""
+    cpus_per_worker: float = 1.0
+    """CPUs in each bundle (the torch threads of a worker)."""
+
+    def __post_init__(self) -> None:
+        _need(self.backend in BACKENDS, "placement.backend",
+              f"unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}")
+        _need(self.device in DEVICES, "placement.device",
+              f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
+        _positive("placement", actor_dp=self.actor_dp, critic_dp=self.critic_dp,
+                  cpus_per_worker=self.cpus_per_worker)
+        _need(self.backend != "inprocess" or (self.actor_dp == 1 and self.critic_dp == 1),
+              "placement.backend", "the in-process backend runs each role as one thread "
+              "(FSDP2 needs a process per rank); set placement.actor_dp=1 and critic_dp=1 "
+              "or use backend='ray'")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PPOConfig:
+    """The whole run. Made once, checked once, passed everywhere, never changed."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    def __post_init__(self) -> None:
+        _need(self.rollout.engine != "vllm" or self.placement.device == "cuda",
+              "rollout.engine", "the vllm engine needs placement.device='cuda'")
+        _need(self.placement.device != "cuda" or self.placement.backend == "ray",
+              "placement.device", "CUDA runs use the ray backend (one GPU process per rank)")
+
+
+def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
+    """A new config with ``section.field=value`` assignments applied and validated again.
+
+    Example:
+        >>> c = with_overrides(PPOConfig(), ["algo.name=grpo", "train.steps=5"])
+        >>> c.algo.name, c.train.steps
+        ('grpo', 5)
+    """
+    changes: dict[str, dict[str, Any]] = {}
+    for text in assignments:
+        key, sep, raw = text.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ValueError(f"override {text!r} must look like section.field=value")
+        if section not in PPOConfig.__dataclass_fields__:
+            raise ValueError(f"override {text!r}: unknown section {section!r}; allowed: "
+                             f"{', '.join(PPOConfig.__dataclass_fields__)}")
+        current = getattr(config, section)
+        names = [f.name for f in dataclasses.fields(current)]
+        if name not in names:
+            raise ValueError(f"override {text!r}: {section} has no field {name!r}; fields: "
+                             f"{', '.join(names)}")
+        hint = typing.get_type_hints(type(current))[name]
+        changes.setdefault(section, {})[name] = _parse(raw.strip(), hint, key)
+    # One replace per section, after all assignments: fields checked together (e.g. backend
+    # and dp) see their new values at once.
+    return dataclasses.replace(config, **{sec: dataclasses.replace(getattr(config, sec), **kw)
+                                          for sec, kw in changes.items()})
+
+
+def _parse(raw: str, hint: Any, key: str) -> Any:
+    """Turn a command-line string into the field's type (bool, int, float, str, None, dict)."""
+    origin = typing.get_origin(hint)
+    optional = origin in (typing.Union, types.UnionType)  # `float | None` and friends
+    args = typing.get_args(hint) if optional else ()
+    if raw.lower() in ("none", "null") and type(None) in args:
+        return None
+    if origin is Literal:
+        return raw
+    kind = next((a for a in args if a is not type(None)), hint)
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes")
+        if kind in (int, float, str):
+            return kind(raw)
+        if typing.get_origin(kind) in (Mapping, dict) or kind is Mapping:
+            pairs = [p.split(":", 1) for p in raw.split(",") if p]
+            return {k: _scalar(v) for k, v in pairs}
+    except ValueError:
+        raise ValueError(f"override {key}={raw!r}: expected a value of type "
+                         f"{getattr(kind, '__name__', kind)}") from None
+    return raw
+
+
+def _scalar(raw: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw

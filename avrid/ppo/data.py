@@ -1,0 +1,132 @@
+"""Chapter 5 — prompts in, batches out: the data side of the training loop.
+
+- `PromptSet`: a task's prompts of one split, tokenized once and checked against the
+  prompt-length cap (a too-long prompt fails at start, naming it).
+- `step_indices`: which training prompts step k uses. The order is a seeded permutation per
+  epoch and the position is ``k * prompts_per_step``, so the data position is a function of
+  the step: a run resumed at step k reads exactly what the uninterrupted run read.
+- `prompt_batch`: the prompts of a step, each repeated `responses_per_prompt` times, as a
+  chapter 2 `Batch` (unique sample ids, the prompt's index and its group for GRPO).
+- `with_responses`: the same rows with the generated responses appended.
+
+No models and no Ray here; `trainer.py` calls these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from avrid.dispatch import Batch, Packed
+from avrid.ppo.tasks import Prompt
+from avrid.ppo.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptSet:
+    """One split's prompts with their token ids."""
+
+    prompts: tuple[Prompt, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def encode(cls, prompts: Sequence[Prompt], tokenizer: Tokenizer, *, max_tokens: int,
+               split: str) -> PromptSet:
+        """Tokenize every prompt; one longer than `max_tokens` (or empty) is an error."""
+        ids = []
+        for p in prompts:
+            toks = tuple(tokenizer.encode(p.text))
+            if not 1 <= len(toks) <= max_tokens:
+                raise ValueError(f"{split} prompt {p.index} ({p.text[:60]!r}) has {len(toks)} "
+                                 f"tokens; rollout.max_prompt_tokens allows 1..{max_tokens}")
+            ids.append(toks)
+        return cls(prompts=tuple(prompts), token_ids=tuple(ids))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest prompt."""
+        return max(len(t) for t in self.token_ids)
+
+
+def step_indices(step: int, count: int, num_prompts: int, seed: int) -> list[int]:
+    """Indices of the `count` training prompts of step `step` (0-based), epoch by epoch.
+
+    Example:
+        >>> step_indices(0, 3, 4, seed=0) + step_indices(1, 3, 4, seed=0)  # 2 epochs of 4
+        [0, 1, 3, 2, 1, 3]
+    """
+    out = []
+    for position in range(step * count, (step + 1) * count):
+        epoch, offset = divmod(position, num_prompts)
+        # One permutation per epoch, from (seed, epoch) alone: no state to save or restore.
+        gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        out.append(int(torch.randperm(num_prompts, generator=gen)[offset]))
+    return out
+
+
+def prompt_batch(prompts: PromptSet, indices: Sequence[int], *, repeats: int, first_id: int,
+                 split: int) -> Batch:
+    """`indices` prompts, each `repeats` times in a row; sample ids from `first_id` on.
+
+    Scalar columns: "prompt_index" (into the split), "split", "group" (0.. per prompt: the
+    GRPO group of its responses).
+    """
+    rows, index, group = [], [], []
+    for g, i in enumerate(indices):
+        for _ in range(repeats):
+            rows.append(torch.tensor(prompts.token_ids[i], dtype=torch.int64))
+            index.append(i)
+            group.append(g)
+    n = len(rows)
+    return Batch(sample_ids=torch.arange(first_id, first_id + n),
+                 prompt_lens=torch.tensor([len(r) for r in rows], dtype=torch.int64),
+                 response_lens=torch.zeros(n, dtype=torch.int64),
+                 packed={"tokens": Packed.from_rows(rows)},
+                 scalars={"prompt_index": torch.tensor(index, dtype=torch.int64),
+                          "split": torch.full((n,), split, dtype=torch.int64),
+                          "group": torch.tensor(group, dtype=torch.int64)})
+
+
+def with_responses(prompts: Batch, generated: Batch) -> Batch:
+    """Prompt rows + their generated "response" rows -> full sequences. Keeps the prompt
+    batch's scalar columns and the generated per-token columns (e.g. "rollout_logp")."""
+    if not torch.equal(prompts.sample_ids, generated.sample_ids):
+        raise ValueError("generated rows must come back in the prompt batch's order")
+    response = generated.packed["response"]
+    tokens = [torch.cat([prompts.packed["tokens"].row(i), response.row(i)])
+              for i in range(len(prompts))]
+    extra = {k: v for k, v in generated.packed.items() if k != "response"}
+    return Batch(sample_ids=prompts.sample_ids, prompt_lens=prompts.prompt_lens,
+                 response_lens=response.lengths, packed={"tokens": Packed.from_rows(tokens),
+                                                         **extra},
+                 scalars=dict(prompts.scalars))
+
+
+def add_columns(batch: Batch, *, packed: dict[str, Packed] | None = None,
+                scalars: dict[str, torch.Tensor] | None = None) -> Batch:
+    """`batch` with more columns (a batch is frozen: this makes a new one)."""
+    return Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
+                 response_lens=batch.response_lens, packed={**batch.packed, **(packed or {})},
+                 scalars={**batch.scalars, **(scalars or {})})
+
+
+def mini_batches(n: int, size: int, min_size: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Shuffle positions 0..n-1 and cut them into chunks of `size`; a last chunk smaller than
+    `min_size` (fewer samples than data-parallel ranks, which FSDP cannot split) joins the
+    previous one. Nothing has to divide anything.
+
+    Example:
+        >>> [len(c) for c in mini_batches(10, 4, 3, torch.Generator().manual_seed(0))]
+        [4, 6]
+    """
+    order = torch.randperm(n, generator=gen)
+    chunks = list(order.split(size))
+    if len(chunks) > 1 and len(chunks[-1]) < min_size:
+        last = chunks.pop()
+        chunks[-1] = torch.cat([chunks[-1], last])
+    return chunks

@@ -1,0 +1,320 @@
+"""Chapter 5 — the PPO/GRPO losses: clipped policy surrogate, clipped value loss, KL estimators,
+and the one function that turns a (B, T) loss matrix into the scalar that is backpropagated.
+
+Every loss here is first computed per token, then reduced by `aggregate`. The reduction is not
+a detail: token-mean, seq-mean-token-mean and Dr.GRPO's seq-mean-token-sum-norm weight long and
+short responses differently, and that changes what the model learns. It is one argument
+(`agg`) so that experiments can switch it.
+
+Conventions are those of `advantages.py`: right-padded (B, T) tensors over response tokens, a
+`mask` (bool or 0/1) for the valid ones, float32 math, padding never read. The ratio
+exp(logp - old_logp) needs the two log-probabilities computed the same way: both come from
+`logprobs.logprobs_from_logits` (and entropies from `logprobs.entropy_from_logits`).
+
+Aggregation is per call. Averaging the losses of several micro-batches is the caller's job
+(and is only exact when the micro-batches hold equal token / sequence counts).
+
+Pure tensor math; no models, no workers, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+
+import torch
+
+from avrid.ppo.advantages import check_mask
+
+KL_KINDS = ("k1", "k2", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# exp() of a log-ratio beyond this is inf in float32 anyway; clamping keeps one absurd token
+# (a stale old_logp, a reference that gives a token ~0 probability) from making the loss inf.
+_MAX_LOG_RATIO = 20.0
+
+
+def _check_like(name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Shape-check a (B, T) input against its mask; return it as float32 with padding zeroed."""
+    if tuple(t.shape) != tuple(mask.shape):
+        raise ValueError(f"{name} must have shape {tuple(mask.shape)}, got {tuple(t.shape)}")
+    # where, not multiply: inf * 0 is nan, and the backward of exp(inf) poisons gradients.
+    return torch.where(mask, t.float(), 0.0)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from the log-probs of tokens sampled from pi.
+
+    With d = logp - ref_logp (Schulman, "Approximating KL divergence", 2020):
+
+        k1 = d                          unbiased, high variance, can be negative
+        k2 = 0.5 * d^2                  biased, low variance, >= 0
+        k3 = exp(-d) - (-d) - 1         unbiased, low variance, >= 0 (since e^x >= 1 + x)
+
+    Args:
+        logp: (B, T) log pi(token) under the current policy.
+        ref_logp: (B, T) log ref(token) under the reference model.
+        kind: one of KL_KINDS.
+
+    Returns:
+        (B, T) float32 estimates (mask them with `aggregate`). For k3 the log-ratio is clamped
+        to [-20, 20] first so that it stays finite.
+
+    Example:
+        >>> lp, ref = torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, 0.0]])
+        >>> [round(x, 4) for x in kl_estimate(lp, ref, "k3")[0].tolist()]
+        [0.3679, 0.7183]
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"ref_logp must have shape {tuple(logp.shape)}, "
+                         f"got {tuple(ref_logp.shape)}")
+    d = logp.float() - ref_logp.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    neg = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log(ref / pi)
+    return torch.exp(neg) - neg - 1.0
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
+              norm_len: int | None = None) -> torch.Tensor:
+    """Reduce a per-token loss matrix to a scalar. With L_it the loss, n_i row i's valid count:
+
+        token-mean               sum_i sum_t L_it / sum_i n_i     every token weighs the same
+        seq-mean-token-sum       mean_i  sum_t L_it               long rows weigh more
+        seq-mean-token-mean      mean_i (sum_t L_it / n_i)        every row weighs the same (GRPO)
+        seq-mean-token-sum-norm  mean_i (sum_t L_it / norm_len)   Dr.GRPO: a constant divisor
+
+    Rows with no valid token are left out of the mean over rows (they have no loss to give, and
+    counting them would shrink the loss according to how many empty rows a batch happens to
+    hold). If nothing at all is valid the result is 0, still attached to the graph, so that
+    backward() works and gives zero gradients.
+
+    norm_len is Dr.GRPO's constant, normally the maximum response length; it must stay fixed
+    through training. (Older verl divided the sum over ROWS by the padded width instead; that
+    differs from this by the constant factor B, which the learning rate absorbs.)
+
+    Args:
+        loss_mat: (B, T) per-token losses.
+        mask: (B, T) valid tokens.
+        mode: one of AGG_MODES.
+        norm_len: int >= 1; required by (and only used by) "seq-mean-token-sum-norm".
+
+    Returns:
+        0-d float32 tensor.
+
+    Example:
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        >>> [float(aggregate(loss, mask, m, norm_len=4)) for m in AGG_MODES]
+        [2.5, 5.0, 3.0, 1.25]
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
+    if norm_len is not None and (isinstance(norm_len, bool) or not isinstance(norm_len, Integral)
+                                 or norm_len < 1):
+        raise ValueError(f"norm_len must be an int >= 1, got {norm_len!r}")
+    if mode == "seq-mean-token-sum-norm" and norm_len is None:
+        raise ValueError("norm_len is required for mode 'seq-mean-token-sum-norm' "
+                         "(the fixed maximum response length)")
+    m = check_mask(mask, loss_mat.shape)
+    x = _check_like("loss_mat", loss_mat, m)
+    if mode == "token-mean":
+        return x.sum() / m.sum().clamp(min=1)
+    n_tok = m.sum(dim=1)          # (B,)
+    row_sum = x.sum(dim=1)        # (B,)
+    if mode == "seq-mean-token-sum":
+        per_row = row_sum
+    elif mode == "seq-mean-token-mean":
+        per_row = row_sum / n_tok.clamp(min=1)
+    else:
+        per_row = row_sum / int(norm_len)
+    has_tokens = n_tok > 0
+    # Empty rows have per_row = 0 already; they only have to leave the denominator.
+    return per_row.sum() / has_tokens.sum().clamp(min=1)
+
+
+def _token_frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Share of valid tokens where flags is True (0 when nothing is valid), detached."""
+    return ((flags & m).sum() / m.sum().clamp(min=1)).float().detach()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyLossOut:
+    """What `policy_loss` returns: the loss to backpropagate and detached diagnostics.
+
+    loss: 0-d, aggregated with `agg`. clip_frac: share of valid tokens where the clipped term
+    was the active one. dual_clip_frac: share where the dual-clip cap was (0 without dual clip).
+    approx_kl: mean over valid tokens of old_logp - logp, the k1 estimate of KL(pi_old || pi).
+    ratio_max: largest ratio over valid tokens (0 if there are none).
+    per_token: the (B, T) loss before aggregation (grad; 0 on padding) — a data-parallel
+    trainer weights it by GLOBAL denominators instead of aggregating per worker.
+    clipped: (B, T) bool, where the clipped term was the active one.
+    """
+
+    loss: torch.Tensor
+    clip_frac: torch.Tensor
+    dual_clip_frac: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio_max: torch.Tensor
+    per_token: torch.Tensor
+    clipped: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValueLossOut:
+    """What `value_loss` returns. clip_frac: share of valid tokens where the clipped term won;
+    per_token: the (B, T) loss before aggregation (grad; 0 on padding); clipped: (B, T) bool."""
+
+    loss: torch.Tensor
+    clip_frac: torch.Tensor
+    per_token: torch.Tensor
+    clipped: torch.Tensor
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, clip_low: float, clip_high: float,
+                dual_clip: float | None = None, agg: str = "token-mean",
+                norm_len: int | None = None) -> PolicyLossOut:
+    """PPO's clipped surrogate (Schulman et al. 2017), with asymmetric and dual clipping.
+
+        ratio_t = exp(logp_t - old_logp_t)
+        L_t     = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+        if dual_clip and A_t < 0:   L_t = min(L_t, -A_t * dual_clip)
+
+    The max (of negated objectives) is the pessimistic bound: once the ratio has moved past the
+    clip range in the direction the advantage rewards, the gradient is 0, so one batch cannot
+    push the policy far from the one that sampled it. clip_high > clip_low ("clip-higher", DAPO)
+    leaves more room to raise unlikely tokens. Dual clip (Ye et al. 2020): for A < 0 and a huge
+    ratio, -A * ratio is unbounded; capping it at -A * dual_clip bounds that one token's pull.
+
+    Args:
+        logp: (B, T) log-probs of the sampled tokens under the policy being trained (grad).
+        old_logp: (B, T) log-probs under the policy that sampled them (no grad needed).
+        advantages: (B, T) per-token advantages (from `gae` or `grpo_advantages`).
+        mask: (B, T) valid response tokens.
+        clip_low: in (0, 1). clip_high: > 0. dual_clip: > 1, or None for no dual clip.
+        agg: one of AGG_MODES; norm_len: see `aggregate`.
+
+    Returns:
+        PolicyLossOut; only `loss` carries gradient.
+
+    Example:
+        >>> lp = torch.log(torch.tensor([[1.5, 0.9]]))  # ratios 1.5 and 0.9 (old_logp = 0)
+        >>> out = policy_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+        ...                   clip_low=0.2, clip_high=0.2)
+        >>> round(float(out.loss), 4), float(out.clip_frac)  # (-1.2 + -0.9) / 2; 1.5 clipped
+        (-1.05, 0.5)
+    """
+    if not 0.0 < clip_low < 1.0:
+        raise ValueError(f"clip_low must be in (0, 1), got {clip_low}")
+    if clip_high <= 0:
+        raise ValueError(f"clip_high must be > 0, got {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    m = check_mask(mask, logp.shape)
+    lp = _check_like("logp", logp, m)
+    old = _check_like("old_logp", old_logp, m).detach()
+    adv = _check_like("advantages", advantages, m).detach()
+    # Padding has log-ratio 0, so ratio 1 there: exp never sees garbage, grads stay finite.
+    log_ratio = (lp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    # Strictly greater: inside the range (and where A = 0) both terms are equal, nothing clipped.
+    clip_flags = clipped > unclipped
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_flags = (adv < 0) & (per_token > cap)
+        per_token = torch.where(dual_flags, cap, per_token)
+    else:
+        dual_flags = torch.zeros_like(m)
+    n = m.sum().clamp(min=1)
+    with torch.no_grad():
+        approx_kl = torch.where(m, old - lp, 0.0).sum() / n
+        ratio_max = torch.where(m, ratio, 0.0).max() if m.numel() else ratio.new_zeros(())
+    return PolicyLossOut(
+        loss=aggregate(per_token, m, agg, norm_len=norm_len),
+        clip_frac=_token_frac(clip_flags, m),
+        dual_clip_frac=_token_frac(dual_flags, m),
+        approx_kl=approx_kl,
+        ratio_max=ratio_max,
+        per_token=torch.where(m, per_token, 0.0),
+        clipped=clip_flags & m,
+    )
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               mask: torch.Tensor, *, clip: float | None, agg: str = "token-mean",
+               norm_len: int | None = None) -> ValueLossOut:
+    """PPO's clipped value loss: the critic may move at most `clip` from its old prediction.
+
+        v_clip_t = old_values_t + clamp(values_t - old_values_t, -clip, clip)
+        L_t      = 0.5 * max((values_t - R_t)^2, (v_clip_t - R_t)^2)
+        L_t      = 0.5 * (values_t - R_t)^2                            if clip is None
+
+    Like the policy clip, the max is pessimistic: the clipped branch only wins when the new
+    value moved past the clip range, and there its gradient is 0.
+
+    Args:
+        values: (B, T) current critic predictions (grad).
+        old_values: (B, T) predictions made at rollout time.
+        returns: (B, T) targets, e.g. the returns of `gae`.
+        mask: (B, T) valid response tokens.
+        clip: > 0, or None for the plain squared error.
+        agg: one of AGG_MODES; norm_len: see `aggregate`.
+
+    Returns:
+        ValueLossOut; only `loss` carries gradient.
+
+    Example:
+        >>> out = value_loss(torch.tensor([[2.0, 2.0]]), torch.ones(1, 2),
+        ...                  torch.tensor([[1.5, 3.0]]), torch.ones(1, 2), clip=0.2)
+        >>> round(float(out.loss), 4), float(out.clip_frac)  # (0.125 + 1.62) / 2
+        (0.8725, 0.5)
+    """
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip must be > 0 (or None), got {clip}")
+    m = check_mask(mask, values.shape)
+    v = _check_like("values", values, m)
+    old = _check_like("old_values", old_values, m).detach()
+    ret = _check_like("returns", returns, m).detach()
+    unclipped = (v - ret) ** 2
+    if clip is None:
+        per_token = 0.5 * unclipped
+        clip_flags = torch.zeros_like(m)
+    else:
+        v_clip = old + (v - old).clamp(-clip, clip)
+        clipped = (v_clip - ret) ** 2
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        clip_flags = clipped > unclipped
+    return ValueLossOut(loss=aggregate(per_token, m, agg, norm_len=norm_len),
+                        clip_frac=_token_frac(clip_flags, m),
+                        per_token=torch.where(m, per_token, 0.0), clipped=clip_flags & m)
+
+
+def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", *,
+                 norm_len: int | None = None) -> torch.Tensor:
+    """Aggregated entropy; the caller SUBTRACTS coef * this from the loss to reward exploration.
+
+    Per-token entropies come from `logprobs.entropy_from_logits`; this only reduces them the
+    same way as the policy loss, so the bonus and the surrogate are on the same scale.
+
+    Args:
+        entropy: (B, T) per-token entropies (nats).
+        mask: (B, T) valid response tokens.
+        agg: one of AGG_MODES; norm_len: see `aggregate`.
+
+    Returns:
+        0-d float32 tensor.
+
+    Example:
+        >>> ent, mask = torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1, 1, 0]])
+        >>> float(entropy_loss(ent, mask))  # (1 + 3) / 2: the padded 9 is never read
+        2.0
+    """
+    return aggregate(entropy, mask, agg, norm_len=norm_len)

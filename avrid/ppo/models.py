@@ -1,0 +1,235 @@
+"""Chapter 5 — building and loading the policy and critic, and batching token lists for them.
+
+The policy is a causal LM (logits per position); the critic is the same decoder with a
+one-output head (a value per position). Both are plain transformers Qwen2 models, so the
+tiny random CPU model of the tests has the architecture and the parameter names of the GPU
+preset (Qwen2.5-0.5B-Instruct), and weight syncs, vLLM's name mapping and the TP layouts of
+chapter 4 see the same names on both.
+
+`pad_left` / `pad_right` fix the one convention rollout and trainer must share for their
+log-probs to agree: position ids count from 0 at each row's first real token, whatever the
+padding, so a row's numbers do not depend on the batch it was padded into. (With RoPE a
+shifted numbering changes the result by rounding only, since attention sees relative
+offsets, but the tests pin the gap near 1e-6 and a shift can run past `max_positions`.)
+
+Not here: sampling (`rollout`), the RL math (`logprobs`), optimisers, FSDP wrapping, tokenizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Imported up front, not inside the builders: transformers resolves its classes lazily, and two
+# worker threads (the in-process backend) resolving the same name at once can fail to import.
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
+
+# eager, because it makes the rollout's log-probs closest to the trainer's on CPU: the engine
+# decodes one query at a time through the KV cache, the trainer runs the whole sequence, and
+# eager computes both as the same explicit softmax(QK^T)V. Measured on a tiny model, 16 prompts
+# of 1-23 tokens, 24 new tokens: max |gap| 9.5e-7 for both in float32, but 2.8e-3 (eager)
+# against 5.5e-3 (sdpa) in bfloat16. A GPU trainer may pass its own choice to `load_policy`.
+ATTN_IMPLEMENTATION = "eager"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinyModelSpec:
+    """The shape of a small random Qwen2 decoder (CPU tests, demos).
+
+    Example:
+        >>> TinyModelSpec(vocab_size=16).num_kv_heads
+        4
+        >>> TinyModelSpec(vocab_size=16, num_heads=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: hidden_size (64) must be divisible by num_heads (3)
+    """
+
+    vocab_size: int
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    max_positions: int = 64
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "max_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
+                             f"num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:  # grouped-query attention: whole groups only
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+
+def tiny_config(spec: TinyModelSpec, *, eos_token_id: int | None = None,
+                pad_token_id: int | None = None,
+                num_labels: int | None = None) -> Qwen2Config:
+    """The `Qwen2Config` for `spec` (eos/pad ids checked against the vocabulary)."""
+
+    for name, tok in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if tok is not None and not 0 <= tok < spec.vocab_size:
+            raise ValueError(f"{name} must be in [0, {spec.vocab_size}), got {tok}")
+    extra = {} if num_labels is None else {"num_labels": num_labels}
+    return Qwen2Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions, tie_word_embeddings=spec.tie_embeddings,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, **extra)
+
+
+def build_tiny_policy(spec: TinyModelSpec, *, seed: int, eos_token_id: int | None = None,
+                      pad_token_id: int | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialised `Qwen2ForCausalLM`; the same `seed` gives the same weights.
+
+    The caller's global RNG is left as it was (initialisation runs in a forked RNG), so
+    building a model in the middle of a seeded experiment does not shift its samples.
+
+    Example:
+        >>> spec = TinyModelSpec(vocab_size=16)
+        >>> a, b = build_tiny_policy(spec, seed=1), build_tiny_policy(spec, seed=1)
+        >>> bool(torch.equal(a.lm_head.weight, b.lm_head.weight))
+        True
+    """
+
+    config = tiny_config(spec, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return _build(Qwen2ForCausalLM, config, seed, dtype)
+
+
+def build_tiny_critic(spec: TinyModelSpec, *, seed: int,
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialised `Qwen2ForTokenClassification` with one label: a value per token.
+
+    Example:
+        >>> critic = build_tiny_critic(TinyModelSpec(vocab_size=16), seed=0)
+        >>> tuple(critic.score.weight.shape)
+        (1, 64)
+    """
+
+    return _build(Qwen2ForTokenClassification, tiny_config(spec, num_labels=1), seed, dtype)
+
+
+def _build(cls: type, config: object, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    config._attn_implementation = ATTN_IMPLEMENTATION  # type: ignore[attr-defined]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.to(dtype).eval()
+
+
+def load_policy(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                attn_implementation: str = ATTN_IMPLEMENTATION) -> torch.nn.Module:
+    """A causal LM from a LOCAL checkpoint directory (never downloads)."""
+
+    return AutoModelForCausalLM.from_pretrained(
+        _local(path), dtype=dtype, attn_implementation=attn_implementation,
+        local_files_only=True).eval()
+
+
+def load_critic(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                attn_implementation: str = ATTN_IMPLEMENTATION) -> torch.nn.Module:
+    """A critic from a LOCAL causal-LM checkpoint: its decoder, plus a one-output `score`
+    head that is NEWLY initialised (the checkpoint has none; transformers warns about it).
+    The LM head is dropped. Its values are noise until PPO has trained that head."""
+
+    return AutoModelForTokenClassification.from_pretrained(
+        _local(path), num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
+        local_files_only=True).eval()
+
+
+def _local(path: str | Path) -> str:
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"no local checkpoint directory at {str(p)!r}")
+    return str(p)
+
+
+def policy_logits(policy: torch.nn.Module, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L, vocab) logits of a full-sequence forward pass (no KV cache)."""
+    return policy(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=position_ids, use_cache=False).logits
+
+
+def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) float32 values, one per position, from a one-label token classifier.
+
+    Example:
+        >>> critic = build_tiny_critic(TinyModelSpec(vocab_size=16), seed=0)
+        >>> ids, mask, pos = pad_left([[1, 2, 3], [4]], pad_id=0)
+        >>> tuple(critic_values(critic, ids, mask, pos).shape)
+        (2, 3)
+    """
+    out = critic(input_ids=input_ids, attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False).logits
+    return out.squeeze(-1).float()
+
+
+def pad_left(prompts: Sequence[Sequence[int]],
+             pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into a batch: real tokens end at the last column (where a
+    decoder continues). Returns (input_ids, attention_mask, position_ids), each (B, L)
+    int64, L the longest row; pads have mask 0 and position 0, real tokens count from 0.
+
+    Example:
+        >>> ids, mask, pos = pad_left([[5, 6, 7], [8]], pad_id=0)
+        >>> ids.tolist(), mask.tolist(), pos.tolist()
+        ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
+    """
+    return _pad(prompts, pad_id, left=True)
+
+
+def pad_right(seqs: Sequence[Sequence[int]],
+              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: (input_ids, attention_mask, position_ids), each (B, L).
+
+    Example:
+        >>> ids, mask, pos = pad_right([[5, 6], [8]], pad_id=0)
+        >>> ids.tolist(), mask.tolist(), pos.tolist()
+        ([[5, 6], [8, 0]], [[1, 1], [1, 0]], [[0, 1], [0, 0]])
+    """
+    return _pad(seqs, pad_id, left=False)
+
+
+def _pad(seqs: Sequence[Sequence[int]], pad_id: int,
+         left: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not seqs:
+        raise ValueError("nothing to pad: no sequences")
+    if any(len(s) == 0 for s in seqs):
+        raise ValueError("every sequence needs at least one token")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask, position_ids_from_mask(mask)
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions counting from 0 at each row's first real token; 0 at pads.
+
+    Example:
+        >>> position_ids_from_mask(torch.tensor([[0, 1, 1], [1, 1, 0]])).tolist()
+        [[0, 0, 1], [0, 1, 0]]
+    """
+    return ((mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long())

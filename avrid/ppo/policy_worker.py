@@ -1,0 +1,217 @@
+"""Chapter 5 — `PolicyWorker`: actor, reference and rollout in one process (the hybrid engine).
+
+verl's "ActorRolloutRefWorker" idea, written out: the three policy roles share a process per
+data-parallel rank, so their weights never cross a process boundary except inside the FSDP
+group, and the GPU (on CUDA) is shared by taking turns — the engine sleeps while the actor
+trains. Per rank:
+
+- the actor: the trained policy, FSDP2-sharded over the group (`fsdp.py`), with AdamW;
+- the reference: a frozen copy of the initial policy, built only when a KL term is used;
+- the rollout engine: a full, unsharded copy that generates (`rollout.TorchEngine` or
+  `vllm_engine.VllmEngine`), refreshed from the actor by `sync_weights` (chapter 4).
+
+Every data method takes a `Shard` and returns a chapter 3 `WorkerResult`, so the driver
+dispatches with `run_shards` and merges without caring how the rank walked its shard.
+The driver (`trainer.py`) decides the order of calls; nothing here keeps hidden state
+beyond the models and the optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from avrid.dispatch import Packed, Shard
+from avrid.ppo import fsdp
+from avrid.ppo.actor import Totals, response_logprobs, train_shard
+from avrid.ppo.batching import ModelInputs, model_inputs, padded
+from avrid.ppo.config import PPOConfig
+from avrid.ppo.losses import kl_estimate, policy_loss
+from avrid.ppo.models import TinyModelSpec, build_tiny_policy, load_policy
+from avrid.ppo.rollout import SamplingParams, TorchEngine
+from avrid.ppo.weight_sync import WeightSync
+from avrid.reshard.engines import TorchEngineSink, VllmSink
+from avrid.results import ResultBuilder, WorkerResult
+from avrid.workers import Worker, WorkerIdentity
+
+
+def tiny_spec(config: PPOConfig, vocab_size: int) -> TinyModelSpec:
+    """The tiny model's shape from the config (policy and critic share it)."""
+    m = config.model
+    return TinyModelSpec(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                         intermediate_size=2 * m.hidden_size, num_layers=m.num_layers,
+                         num_heads=m.num_heads, num_kv_heads=m.num_heads)
+
+
+class PolicyWorker(Worker):
+    """One data-parallel rank of the policy: actor + reference + rollout engine."""
+
+    def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
+                 eos_id: int, pad_id: int) -> None:
+        super().__init__(identity)
+        self.config, self.vocab_size, self.eos_id, self.pad_id = config, vocab_size, eos_id, pad_id
+        self.device = config.placement.device
+        torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
+
+    def setup(self, weights: dict[str, torch.Tensor] | None = None,
+              optimizer_state: dict | None = None) -> int:
+        """Build (or restore) the models, shard the actor, make the engine; all ranks at once.
+        Returns the number of actor parameters."""
+        cfg, ident = self.config, self.identity
+        group = None
+        if ident.world_size > 1:
+            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
+        dtype = getattr(torch, cfg.model.dtype)
+        if cfg.model.path is None:  # every rank builds the same weights from the same seed
+            model = build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
+                                      eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                                      dtype=dtype)
+        else:
+            model = load_policy(cfg.model.path, dtype=dtype)
+        if weights is not None:  # resuming: the checkpoint's full weights
+            model.load_state_dict(weights, strict=False)
+        model.to(self.device)
+        # The reference is the policy as it was at step 0, built only when a KL term is used.
+        self.reference = self._initial_policy(dtype) if cfg.algo.kl_coef > 0 else None
+        self.engine = self._make_engine(model)
+        shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                  for n, p in model.named_parameters()}
+        self.actor = fsdp.shard_model(model.train(), group, ident.world_size, self.device)
+        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.train.actor_lr,
+                                           weight_decay=cfg.train.weight_decay,
+                                           betas=(0.9, 0.99))
+        if optimizer_state is not None:
+            fsdp.load_optimizer_state(self.optimizer, optimizer_state)
+        self.sync = WeightSync(fsdp.local_shards(self.actor), shapes, rank=ident.rank,
+                               world_size=ident.world_size)
+        return sum(p.numel() for p in model.parameters())
+
+    def _initial_policy(self, dtype: torch.dtype) -> torch.nn.Module:
+        cfg = self.config
+        if cfg.model.path is None:
+            model = build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
+                                      eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                                      dtype=dtype)
+        else:
+            model = load_policy(cfg.model.path, dtype=dtype)
+        return model.to(self.device).eval().requires_grad_(False)
+
+    def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
+        if self.config.rollout.engine == "vllm":
+            from avrid.ppo.vllm_engine import VllmEngine
+
+            cfg = self.config
+            return VllmEngine(cfg.model.path, gpu_memory_utilization=
+                              cfg.rollout.gpu_memory_utilization, seed=cfg.train.seed,
+                              dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_prompt_tokens
+                              + (cfg.rollout.max_response_tokens or 512))
+        # The engine gets its own, unsharded copy: FSDP will shard the actor's in place.
+        return TorchEngine(copy.deepcopy(model).eval(), pad_token_id=self.pad_id)
+
+    # ---- rollout ---------------------------------------------------------------------------
+
+    def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
+                 seed: int) -> WorkerResult:
+        """Sample one response per prompt of the shard (the rows' "tokens" are prompts).
+        Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs)."""
+        builder = ResultBuilder.for_shard(self.identity, shard)
+        batch = shard.batch
+        prompts = [batch.packed["tokens"].row(i).tolist() for i in range(len(batch))]
+        r = self.config.rollout
+        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy,
+                                temperature=1.0 if greedy else r.temperature,
+                                top_k=0 if greedy else r.top_k,
+                                stop_token_ids=(self.eos_id,),
+                                seed=seed + self.identity.rank)  # one stream per rank
+        with builder.span("generate"):
+            self.engine.wake()
+            done = self.engine.generate(prompts, params) if prompts else []
+            self.engine.sleep()
+        lengths = [len(c.token_ids) for c in done]
+        builder.add(batch.sample_ids, packed={
+            "response": Packed.from_rows([torch.tensor(c.token_ids, dtype=torch.int64)
+                                          for c in done]),
+            "rollout_logp": Packed.from_rows([torch.tensor(c.logprobs, dtype=torch.float32)
+                                              for c in done])})
+        builder.metric("rollout/response_len", torch.tensor(lengths, dtype=torch.float64),
+                       "mean_samples")
+        builder.metric("rollout/tokens", float(sum(lengths)), "sum")
+        return builder.build()
+
+    # ---- log-probs -------------------------------------------------------------------------
+
+    def compute_logprobs(self, shard: Shard, *, reference: bool = False) -> WorkerResult:
+        """Log-probs of every response token under the actor ("old_logp", with the entropy
+        metric) or the reference ("ref_logp")."""
+        model = self.reference if reference else self.actor
+        if model is None:
+            raise RuntimeError("no reference model: it is built only when algo.kl_coef > 0")
+        name = "ref_logp" if reference else "old_logp"
+        builder = ResultBuilder.for_shard(self.identity, shard)
+        with torch.no_grad():
+            for mb in shard.micro_batches():
+                with builder.span(name):
+                    x = model_inputs(mb, self.pad_id)
+                    logp, ent = response_logprobs(model, x, self.config.rollout.temperature,
+                                                  with_entropy=not reference)
+                builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
+                if ent is not None:
+                    builder.metric("actor/entropy", ent[x.response_mask.bool()], "mean_tokens")
+        return builder.build()
+
+    # ---- training --------------------------------------------------------------------------
+
+    def update(self, shard: Shard, *, totals: Totals) -> WorkerResult:
+        """One PPO optimizer step of the actor on its shard of a mini-batch."""
+        a = self.config.algo
+        builder = ResultBuilder.for_shard(self.identity, shard)
+        kl_loss = a.kl_coef > 0 and a.kl_in == "loss"
+        need_entropy = a.entropy_coef > 0
+
+        def loss_fn(x: ModelInputs, mb, w: torch.Tensor, b: ResultBuilder) -> torch.Tensor:
+            logp, ent = response_logprobs(self.actor, x, self.config.rollout.temperature,
+                                          with_entropy=need_entropy)
+            mask = x.response_mask
+            out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"), mask,
+                              clip_low=a.clip_low, clip_high=a.clip_high,
+                              dual_clip=a.dual_clip, agg=a.loss_agg, norm_len=totals.norm_len)
+            loss = (out.per_token * w).sum()
+            valid = mask.bool()
+            b.metric("actor/pg_clipfrac", out.clipped[valid].float(), "mean_tokens")
+            b.metric("actor/ppo_kl", (padded(mb, "old_logp") - logp.detach())[valid],
+                     "mean_tokens")
+            if kl_loss:
+                kl = kl_estimate(logp, padded(mb, "ref_logp"), a.kl_kind)
+                loss = loss + a.kl_coef * (kl * w).sum()
+                b.metric("actor/kl_loss", kl.detach()[valid], "mean_tokens")
+            if ent is not None:
+                loss = loss - a.entropy_coef * (ent * w).sum()
+            return loss
+
+        train_shard(self.actor, self.optimizer, shard, builder, loss_fn, pad_id=self.pad_id,
+                    agg=a.loss_agg, totals=totals, world_size=self.identity.world_size,
+                    grad_clip=self.config.train.grad_clip, prefix="actor")
+        return builder.build()
+
+    # ---- weight sync, checkpoints ----------------------------------------------------------
+
+    def sync_weights(self) -> dict[str, float]:
+        """Actor shards -> this rank's engine (chapter 4), fingerprint-checked."""
+        self.engine.wake()
+        sink = (VllmSink(self.engine.llm) if self.config.rollout.engine == "vllm"
+                else TorchEngineSink(self.engine.model))
+        group = self.process_group if self.identity.world_size > 1 else None
+        report = self.sync.run(fsdp.local_shards(self.actor), sink, group, self.device)
+        self.engine.sleep()
+        return {"bytes": float(report.bytes_moved), "seconds": report.seconds}
+
+    def state(self) -> dict:
+        """Full actor weights (rank 0 only, others None) and this rank's optimizer state."""
+        full = fsdp.full_state_dict(self.actor)  # a collective: every rank takes part
+        return {"weights": full if self.identity.rank == 0 else None,
+                "optimizer": fsdp.optimizer_state(self.optimizer)}
+
+    def close(self) -> None:
+        """Leave the process group (all ranks at once)."""
+        self.destroy_distributed()

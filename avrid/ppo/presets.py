@@ -1,0 +1,107 @@
+"""Chapter 5 — presets: named functions that return a whole, validated `PPOConfig`.
+
+A preset is just a function, so reading one shows every choice it makes and "go to
+definition" works; there is no YAML merge order to reason about. The command line picks one
+with ``--preset`` and changes single fields with ``--set section.field=value``.
+
+- `tiny_ppo` (the default of `avrid ppo`): PPO with a critic, a 2-layer random model, the
+  digit-reversal task, two data-parallel CPU workers. Minutes on a laptop.
+- `tiny_grpo`: the same with GRPO (no critic, group-relative advantages).
+- `small_cpu`: a wider model and bigger batches, where model compute dominates the step —
+  what `benchmarks/bench_ppo.py` measures orchestration overhead against.
+- `qwen_gsm8k`: Qwen2.5-0.5B-Instruct from a local directory on GSM8K from a local file, vLLM
+  rollouts on one GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from avrid.ppo.config import (
+    AlgoConfig,
+    ModelConfig,
+    PlacementConfig,
+    PPOConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+)
+
+
+def tiny_ppo() -> PPOConfig:
+    """PPO on CPU: the default `avrid ppo` run (reverse 3 digits, tiny random Qwen2 model)."""
+    return PPOConfig(
+        model=ModelConfig(hidden_size=64, num_layers=2, num_heads=4),
+        task=TaskConfig(name="digits", options={"op": "reverse", "length": 3}),
+        algo=AlgoConfig(name="ppo", responses_per_prompt=8),
+        train=TrainConfig(steps=150, prompts_per_step=32, mini_batch_size=64,
+                          actor_lr=2e-3, critic_lr=2e-3, out_dir="runs/tiny_ppo"),
+        placement=PlacementConfig(backend="ray", actor_dp=2, critic_dp=2),
+    )
+
+
+def tiny_grpo() -> PPOConfig:
+    """GRPO on CPU: `tiny_ppo` without the critic, advantages normalised within each group."""
+    base = tiny_ppo()
+    return dataclasses.replace(
+        base, algo=dataclasses.replace(base.algo, name="grpo"),
+        train=dataclasses.replace(base.train, out_dir="runs/tiny_grpo"))
+
+
+def small_cpu() -> PPOConfig:
+    """A CPU run where model compute dominates a step (for `benchmarks/bench_ppo.py`)."""
+    return PPOConfig(
+        model=ModelConfig(hidden_size=256, num_layers=4, num_heads=8),
+        task=TaskConfig(name="digits", options={"op": "reverse", "length": 6}),
+        algo=AlgoConfig(name="ppo", responses_per_prompt=8),
+        train=TrainConfig(steps=4, prompts_per_step=32, mini_batch_size=128,
+                          val_every=1000, val_prompts=32, out_dir="runs/small_cpu",
+                          progress=False),
+        placement=PlacementConfig(backend="ray", actor_dp=2, critic_dp=2),
+    )
+
+
+def qwen_gsm8k() -> PPOConfig:
+    """GRPO on GSM8K with Qwen2.5-0.5B-Instruct and vLLM on one GPU, all from local paths.
+
+    The paths come from the environment (nothing is downloaded): ``AVRID_QWEN_PATH`` (the
+    model directory) and ``AVRID_GSM8K_PATH`` (a .jsonl or .parquet with question/answer)."""
+    model_path = os.environ.get("AVRID_QWEN_PATH", "models/Qwen2.5-0.5B-Instruct")
+    data_path = os.environ.get("AVRID_GSM8K_PATH", "data/gsm8k/train.jsonl")
+    return PPOConfig(
+        model=ModelConfig(path=model_path, chat_template=True, dtype="bfloat16"),
+        task=TaskConfig(name="gsm8k", path=data_path, options={}),
+        algo=AlgoConfig(name="grpo", responses_per_prompt=8, kl_coef=0.001, kl_in="loss",
+                        clip_high=0.28, loss_agg="token-mean"),
+        rollout=RolloutConfig(engine="vllm", max_response_tokens=512, max_prompt_tokens=512,
+                              gpu_memory_utilization=0.4),
+        train=TrainConfig(steps=100, prompts_per_step=64, mini_batch_size=256,
+                          micro_batch_tokens=16384, actor_lr=1e-6, critic_lr=1e-5,
+                          val_every=20, val_prompts=256, checkpoint_every=50,
+                          out_dir="runs/qwen_gsm8k"),
+        placement=PlacementConfig(backend="ray", device="cuda", actor_dp=1, critic_dp=1,
+                                  cpus_per_worker=4.0),
+    )
+
+
+PRESETS: dict[str, Callable[[], PPOConfig]] = {
+    "tiny-ppo": tiny_ppo,
+    "tiny-grpo": tiny_grpo,
+    "small-cpu": small_cpu,
+    "qwen-gsm8k": qwen_gsm8k,
+}
+"""Preset name (as given to ``--preset``) -> the function that builds it."""
+
+
+def preset(name: str) -> PPOConfig:
+    """The config of preset `name`; an unknown name lists the known ones.
+
+    Example:
+        >>> preset("tiny-grpo").algo.name
+        'grpo'
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    return PRESETS[name]()

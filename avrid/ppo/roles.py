@@ -1,0 +1,67 @@
+"""Chapter 5 — where each role runs: the placement of a PPO/GRPO run, from its config.
+
+Roles and their workers:
+
+    policy   PolicyWorker   actor + reference + rollout (the hybrid engine), actor_dp ranks
+    critic   CriticWorker   PPO only, critic_dp ranks
+    reward   RewardWorker   one rank: verifiable rewards are cheap
+
+The pool "policy" has one bundle per policy rank (CPUs, and one GPU each on CUDA). The critic
+shares those bundles (colocated, each worker taking a share) or, with
+``placement.colocate_critic=False``, gets a pool of its own. The reward worker sits in the
+first policy bundle with a small CPU share, since it runs while the policy waits.
+This file only describes placement (chapter 1's `RoleSpec`s); the backend starts it.
+"""
+
+from __future__ import annotations
+
+from avrid.ppo.config import PPOConfig
+from avrid.ppo.critic_worker import CriticWorker
+from avrid.ppo.policy_worker import PolicyWorker
+from avrid.ppo.reward_worker import RewardWorker
+from avrid.ppo.tokenizer import Tokenizer
+from avrid.workers import Mesh, PlacementPlan, ResourcePool, RoleSpec, plan_placement
+
+REWARD_CPU_SHARE = 0.1
+"""CPU slots the reward worker reserves inside the first policy bundle."""
+
+
+def build_placement(config: PPOConfig, tokenizer: Tokenizer) -> PlacementPlan:
+    """The pools and role specs of this run (validated by chapter 1's `plan_placement`)."""
+    p = config.placement
+    gpus = 1.0 if p.device == "cuda" else 0.0
+    share = 2 if config.algo.uses_critic and p.colocate_critic else 1
+    policy_pool = ResourcePool.uniform("policy", p.actor_dp, cpus=p.cpus_per_worker, gpus=gpus,
+                                       strategy="PACK")
+    pools = [policy_pool]
+    tok = {"vocab_size": _vocab(tokenizer), "pad_id": tokenizer.pad_token_id}
+    # Colocated roles split each bundle (CPUs and GPU); the policy leaves room for the reward.
+    cpus = p.cpus_per_worker / share - REWARD_CPU_SHARE
+    roles = [RoleSpec(role="policy", worker=PolicyWorker, mesh=Mesh.of(dp=p.actor_dp),
+                      pool="policy", cpus=cpus,
+                      gpus=gpus / share,
+                      init_kwargs={"config": config, "eos_id": tokenizer.eos_token_id, **tok})]
+    if config.algo.uses_critic:
+        critic_pool = "policy"
+        if not p.colocate_critic:
+            pools.append(ResourcePool.uniform("critic", p.critic_dp, cpus=p.cpus_per_worker,
+                                              gpus=gpus, strategy="PACK"))
+            critic_pool = "critic"
+        if p.colocate_critic and p.critic_dp > p.actor_dp:
+            raise ValueError(f"config field 'placement.critic_dp': a colocated critic uses the "
+                             f"policy's {p.actor_dp} bundles, so it needs critic_dp <= "
+                             f"actor_dp, got {p.critic_dp}")
+        roles.append(RoleSpec(role="critic", worker=CriticWorker, mesh=Mesh.of(dp=p.critic_dp),
+                              pool=critic_pool, cpus=p.cpus_per_worker / share,
+                              gpus=gpus / share if p.colocate_critic else gpus,
+                              init_kwargs={"config": config, **tok}))
+    roles.append(RoleSpec(role="reward", worker=RewardWorker, mesh=Mesh.of(dp=1),
+                          pool="policy", cpus=REWARD_CPU_SHARE,
+                          init_kwargs={"task_name": config.task.name,
+                                       "task_options": dict(config.task.options),
+                                       "task_path": config.task.path, "tokenizer": tokenizer}))
+    return plan_placement(pools, roles)
+
+
+def _vocab(tokenizer: Tokenizer) -> int:
+    return int(tokenizer.vocab_size)

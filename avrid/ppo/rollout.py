@@ -1,0 +1,256 @@
+"""Chapter 5 — rollout engines: token ids in, sampled token ids and their log-probs out.
+
+`RolloutEngine` is all the PPO loop asks of a generator: `generate` completions for prompts
+(token-in/token-out: tokenizing is the caller's business), `load_weights` after each
+optimizer step, and `sleep`/`wake` to hand accelerator memory to the trainer and back when
+both share a GPU.
+
+- `TorchEngine`: the transformers model itself with a hand-written sampling loop (prompt
+  pass, then one token at a time through the KV cache). Slow, but every step is visible, and
+  it runs on CPU: it is the engine of the tests and the reference for `vllm_engine.VllmEngine`.
+- `trainer_logprobs`: what the actor recomputes in training (one padded full-sequence pass,
+  no cache). The rollout's log-probs must match it for the same weights; the tests pin the
+  gap, and the PPO loop logs it as `rollout/logprob_gap`.
+
+Not here: tokenization, rewards, the vLLM engine (`vllm_engine`), batching across workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from avrid.ppo.logprobs import logprobs_from_logits
+from avrid.ppo.models import pad_left
+from avrid.reshard.engines import TorchEngineSink
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample. `top_k=0` is off; `greedy` takes the argmax (and, like vLLM, no
+    temperature: leave it at 1.0, the temperature its log-probs are reported at).
+
+    Example:
+        >>> SamplingParams(max_new_tokens=8, temperature=0.7).top_k
+        0
+        >>> SamplingParams(max_new_tokens=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_new_tokens must be an int >= 1, got 0
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature > 0:  # also rejects NaN
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.greedy and self.temperature != 1.0:
+            raise ValueError(f"temperature must stay 1.0 with greedy (argmax ignores it and "
+                             f"vLLM reports greedy log-probs at 1.0), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError(f"stop_token_ids must be a tuple, got {self.stop_token_ids!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """One generated continuation.
+
+    `token_ids` include the stop token if one was sampled. `logprobs[i]` is the log-prob of
+    `token_ids[i]` under softmax(logits / temperature) over the FULL vocabulary (the
+    `logprobs_from_logits` definition), even with top-k: the trainer recomputes exactly that.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the PPO loop needs from a generator."""
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams) -> list[Completion]:
+        """One completion per prompt (token ids), in the prompts' order."""
+        ...
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take full (unsharded) weights by HF parameter name."""
+        ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory while the trainer runs on the same device."""
+        ...
+
+    def wake(self) -> None:
+        """Take the memory back before generating again."""
+        ...
+
+
+class TorchEngine:
+    """A transformers causal LM as a rollout engine, with a hand-written sampling loop.
+
+    The same `params.seed`, prompts, weights and `batch_size` give the same tokens.
+
+    Example:
+        >>> from avrid.ppo.models import TinyModelSpec, build_tiny_policy
+        >>> engine = TorchEngine(build_tiny_policy(TinyModelSpec(vocab_size=16), seed=0),
+        ...                      pad_token_id=0)
+        >>> [c] = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+        >>> len(c.token_ids), len(c.logprobs), c.finish_reason
+        (4, 4, 'length')
+    """
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int,
+                 batch_size: int = 256) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+        self.batch_size = batch_size
+        self._sink = TorchEngineSink(self.model)
+        self._awake_device: torch.device | None = None  # where to wake to, while asleep
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams) -> list[Completion]:
+        """Sample a completion for every prompt, `batch_size` prompts per batch."""
+        if self._awake_device is not None:
+            raise RuntimeError("the engine is asleep: call wake() before generate()")
+        device = self.device
+        gen = torch.Generator(device=device).manual_seed(params.seed)
+        out: list[Completion] = []
+        with torch.inference_mode():
+            for start in range(0, len(prompts), self.batch_size):
+                out += self._generate_batch(prompts[start:start + self.batch_size], params,
+                                            gen, device)
+        return out
+
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                        gen: torch.Generator, device: torch.device) -> list[Completion]:
+        ids, mask, pos = (t.to(device) for t in pad_left(prompts, self.pad_token_id))
+        b = ids.shape[0]
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        tokens = torch.full((b, params.max_new_tokens), self.pad_token_id, dtype=torch.long,
+                            device=device)
+        logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
+        length = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        # The prompt pass fills the cache; only the last column's logits are needed.
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         use_cache=True, logits_to_keep=1)
+        cache, logits = res.past_key_values, res.logits[:, -1]
+        next_pos = pos[:, -1:] + 1
+        for step in range(params.max_new_tokens):
+            tok = self._sample(logits, params, gen)
+            # The log-prob of the drawn token under the full tempered distribution: the
+            # trainer's definition (logprobs.py), not the top-k renormalised one.
+            logps[:, step] = logprobs_from_logits(logits, tok, params.temperature)
+            tokens[:, step] = tok
+            hit = ~stopped & torch.isin(tok, stop)
+            length = torch.where(hit, step + 1, length)
+            stopped |= hit
+            if bool(stopped.all()) or step + 1 == params.max_new_tokens:
+                break
+            # Finished rows keep decoding (a batch moves together); their tokens are dropped.
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+            res = self.model(input_ids=tok[:, None], attention_mask=mask,
+                             position_ids=next_pos, past_key_values=cache, use_cache=True)
+            cache, logits = res.past_key_values, res.logits[:, -1]
+            next_pos = next_pos + 1
+        tokens_l, logps_l, length_l, stopped_l = (
+            tokens.tolist(), logps.tolist(), length.tolist(), stopped.tolist())
+        return [Completion(token_ids=tuple(tokens_l[i][:length_l[i]]),
+                           logprobs=tuple(logps_l[i][:length_l[i]]),
+                           finish_reason="stop" if stopped_l[i] else "length")
+                for i in range(b)]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams,
+                gen: torch.Generator) -> torch.Tensor:
+        """(B, vocab) logits -> (B,) token ids."""
+        if params.greedy:
+            return logits.argmax(-1)
+        scaled = logits.float() / params.temperature
+        if 0 < params.top_k < scaled.shape[-1]:
+            kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full weights into the model in place; every name, shape and dtype is
+        checked before anything is copied (chapter 4's `TorchEngineSink`), so a bad set
+        changes nothing. Tensors may live on any device."""
+        device = self.device
+        tensors = {name: t.detach().to(device) for name, t in named}
+        self._sink.load(tensors)
+        self._sink.finish()
+
+    def sleep(self) -> None:
+        """On CUDA: move the model to CPU and release the cached blocks. On CPU: a no-op
+        (nothing to hand back, the trainer and the engine share host memory anyway)."""
+        device = self.device
+        if device.type != "cuda":
+            return
+        self._awake_device = device
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Undo `sleep`: move the model back where it was. A no-op if it is not asleep."""
+        if self._awake_device is None:
+            return
+        self.model.to(self._awake_device)
+        self._awake_device = None
+
+
+def trainer_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                     completions: Sequence[Completion | Sequence[int]], *,
+                     temperature: float, pad_token_id: int = 0) -> list[torch.Tensor]:
+    """Recompute each completion's token log-probs the way the actor does in training: one
+    full-sequence forward pass over the left-padded prompt + completion, no KV cache, the
+    same position ids as the engine (0 at each row's first real token).
+
+    Returns: one (len(completion),) float32 tensor per prompt, on the model's device.
+
+    Example:
+        >>> from avrid.ppo.models import TinyModelSpec, build_tiny_policy
+        >>> policy = build_tiny_policy(TinyModelSpec(vocab_size=16), seed=0)
+        >>> [lp] = trainer_logprobs(policy, [[1, 2]], [[3, 4, 5]], temperature=1.0)
+        >>> tuple(lp.shape), bool((lp < 0).all())
+        ((3,), True)
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    gens = [tuple(c.token_ids) if isinstance(c, Completion) else tuple(c)
+            for c in completions]
+    device = next(model.parameters()).device
+    ids, mask, pos = (t.to(device) for t in pad_left(
+        [list(p) + list(g) for p, g in zip(prompts, gens, strict=True)], pad_token_id))
+    with torch.inference_mode():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                       use_cache=False).logits
+        # Position t predicts token t+1: score each row's last len(g) tokens from the
+        # logits one column to their left.
+        lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
+    width = ids.shape[1]
+    return [lp[i, width - 1 - len(g):].clone() for i, g in enumerate(gens)]

@@ -1,0 +1,311 @@
+"""Chapter 5 — the single-controller PPO/GRPO loop.
+
+One driver process owns the loop; the workers own the models. A step is this explicit
+sequence of named, timed phases, each one dispatch (chapter 2) and one canonical result
+(chapter 3) — read `train_step` top to bottom and you have read the algorithm:
+
+    generate       policy ranks sample `responses_per_prompt` responses per prompt
+    reward         the reward worker scores every response (task.reward)
+    old_logp       policy ranks recompute log-probs with the trainer's forward pass
+    ref_logp       ... and under the frozen reference (only with a KL term)
+    values         critic ranks: V(s_t) per response token (PPO only)
+    advantages     on the driver: GAE (PPO) or group-normalised scores (GRPO)
+    critic_update  mini-batches of the clipped value loss (PPO only)
+    actor_update   mini-batches of the clipped policy loss
+    weight_sync    actor shards -> each rank's rollout engine (chapter 4), checked
+
+Around it: validation on held-out prompts, metrics as JSON lines, rollout samples, atomic
+checkpoints with exact resume, plots at the end (`run.py` wires those to the command line).
+Everything random derives from (seed, step), so the same seed gives the same metrics and a
+resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from avrid.dispatch import Batch, DispatchConfig, make_plan
+from avrid.ppo.actor import Totals
+from avrid.ppo.advantages import gae, grpo_advantages, kl_penalized_rewards, whiten
+from avrid.ppo.batching import packed, padded, response_mask
+from avrid.ppo.config import PPOConfig
+from avrid.ppo.critic_worker import CriticWorker
+from avrid.ppo.data import (
+    PromptSet,
+    add_columns,
+    mini_batches,
+    prompt_batch,
+    step_indices,
+    with_responses,
+)
+from avrid.ppo.losses import kl_estimate
+from avrid.ppo.policy_worker import PolicyWorker
+from avrid.ppo.reward_worker import TRAIN, VAL, RewardWorker
+from avrid.ppo.roles import build_placement
+from avrid.ppo.tasks import Task, load_task
+from avrid.ppo.tokenizer import Tokenizer, load_tokenizer
+from avrid.results import Merged, Span, Timeline, run_shards
+from avrid.workers import Cluster, InProcessBackend
+
+
+class Trainer:
+    """Builds the cluster for `config` and runs steps; use as a context manager."""
+
+    def __init__(self, config: PPOConfig) -> None:
+        self.config = config
+        t = config.task
+        self.task: Task = load_task(t.name, **dict(t.options),
+                                    **({"path": t.path} if t.path else {}))
+        self.tokenizer = make_tokenizer(config, self.task)
+        r = config.rollout
+        self.max_response = r.max_response_tokens or self.task.max_response_tokens
+        self.train_set = PromptSet.encode(self.task.train_prompts(), self.tokenizer,
+                                          max_tokens=r.max_prompt_tokens, split="train")
+        val = list(self.task.val_prompts())[:config.train.val_prompts]
+        self.val_set = PromptSet.encode(val, self.tokenizer, max_tokens=r.max_prompt_tokens,
+                                        split="val")
+        longest = max(self.train_set.longest, self.val_set.longest) + self.max_response
+        if config.train.micro_batch_tokens < longest:
+            budget = config.train.micro_batch_tokens
+            raise ValueError(f"config field 'train.micro_batch_tokens': {budget} is below "
+                             f"the longest allowed sequence "
+                             f"({longest} tokens = longest prompt + max response); a sequence "
+                             f"must fit in one micro-batch")
+        # FSDP ranks must run the same number of forward passes: same_micro_count.
+        self.dispatch = DispatchConfig(micro_batch_tokens=config.train.micro_batch_tokens,
+                                       same_micro_count=True)
+        self.cluster: Cluster | None = None
+        self.timeline: Timeline | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self, weights: dict | None = None, optimizers: dict | None = None) -> None:
+        """Start the workers and build (or restore, from a checkpoint's pieces) the models."""
+        plan = build_placement(self.config, self.tokenizer)
+        if self.config.placement.backend == "ray":
+            from avrid.workers import RayBackend, start_ray
+
+            start_ray()
+            backend = RayBackend(start_timeout_s=300.0)
+        else:
+            backend = InProcessBackend(concurrent=True)
+        self.cluster = backend.launch(plan)
+        self.policy = self.cluster.group("policy", PolicyWorker)
+        self.reward = self.cluster.group("reward", RewardWorker)
+        self.critic = (self.cluster.group("critic", CriticWorker)
+                       if self.config.algo.uses_critic else None)
+        weights, optimizers = weights or {}, optimizers or {}
+        groups = [("actor", self.policy, PolicyWorker.setup)]
+        if self.critic is not None:
+            groups.append(("critic", self.critic, CriticWorker.setup))
+        pending = []
+        for name, group, setup in groups:
+            n = group.world_size
+            opt = optimizers.get(name) or [None] * n
+            if len(opt) != n:
+                raise ValueError(f"the checkpoint's {name} optimizer has {len(opt)} ranks, "
+                                 f"this run has {n}; resume with the same placement")
+            pending.append(group.submit_per_rank(setup, [weights.get(name)] * n, opt))
+        for p in pending:  # both groups initialise at once (their process groups form)
+            p.result()
+
+    def close(self) -> None:
+        """Leave the process groups and stop the workers."""
+        if self.cluster is None:
+            return
+        try:
+            self.policy.call(PolicyWorker.close)
+            if self.critic is not None:
+                self.critic.call(CriticWorker.close)
+        finally:
+            self.cluster.close()
+            self.cluster = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> tuple[dict[str, float], Batch]:
+        """Run step `step` (0-based); returns its metrics and the scored batch."""
+        cfg, a = self.config, self.config.algo
+        phases = _Phases()
+        n = a.responses_per_prompt
+        indices = step_indices(step, cfg.train.prompts_per_step, len(self.train_set),
+                               cfg.train.seed)
+        prompts = prompt_batch(self.train_set, indices, repeats=n, split=TRAIN,
+                               first_id=step * cfg.train.prompts_per_step * n)
+        with phases("generate"):
+            gen = phases.add(run_shards(
+                self.policy, PolicyWorker.generate, prompts, None,
+                max_new_tokens=self.max_response, greedy=False, seed=_seed(cfg, step)))
+            batch = with_responses(prompts, gen.batch)
+        with phases("reward"):
+            scored = phases.add(run_shards(self.reward, RewardWorker.score, batch))
+            batch = add_columns(batch, scalars={"score": scored.batch.scalars["score"]})
+        plan = make_plan(batch, self.policy.world_size, self.dispatch)
+        with phases("old_logp"):
+            old = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs, batch,
+                                        plan=plan))
+            batch = add_columns(batch, packed={"old_logp": old.batch.packed["old_logp"]})
+        if a.kl_coef > 0:
+            with phases("ref_logp"):
+                ref = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs, batch,
+                                            plan=plan, reference=True))
+                batch = add_columns(batch, packed={"ref_logp": ref.batch.packed["ref_logp"]})
+        if self.critic is not None:
+            with phases("values"):
+                val = phases.add(run_shards(self.critic, CriticWorker.compute_values, batch,
+                                            self.dispatch))
+                batch = add_columns(batch, packed={"values": val.batch.packed["values"]})
+        with phases("advantages"):
+            batch = compute_advantages(batch, cfg)
+        updates: list[Merged] = []
+        if self.critic is not None:
+            with phases("critic_update"):
+                updates += self._update(self.critic, CriticWorker.update, batch, step, phases)
+        if step >= cfg.train.critic_warmup_steps:
+            with phases("actor_update"):
+                updates += self._update(self.policy, PolicyWorker.update, batch, step, phases)
+            with phases("weight_sync"):
+                sync = self.policy.call(PolicyWorker.sync_weights)
+        metrics = self._metrics(batch, [gen, scored, old, *updates], phases)
+        if step >= cfg.train.critic_warmup_steps:
+            metrics["sync/bytes_per_rank"] = max(s["bytes"] for s in sync)
+        self.timeline = phases.timeline()
+        return metrics, batch
+
+    def _update(self, group, method, batch: Batch, step: int,  # noqa: ANN001
+                phases: _Phases) -> list[Merged]:
+        """`ppo_epochs` passes of shuffled mini-batches, one optimizer step each."""
+        t = self.config.train
+        gen = torch.Generator().manual_seed(_seed(self.config, step) + 1)
+        out = []
+        for _ in range(t.ppo_epochs):
+            for chunk in mini_batches(len(batch), t.mini_batch_size, group.world_size, gen):
+                mb = batch.take(chunk)
+                out.append(phases.add(run_shards(group, method, mb, self.dispatch,
+                                                 totals=Totals.of(mb, self.max_response))))
+        return out
+
+    def _metrics(self, batch: Batch, merged: list[Merged], phases: _Phases) -> dict[str, float]:
+        sums: dict[str, list[float]] = {}
+        for m in merged:
+            for k, v in m.metric_values().items():
+                sums.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in sums.items()}  # means over mini-batches
+        mask = response_mask(batch).bool()
+        gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
+        out["train/reward"] = float(batch.scalars["score"].mean())
+        out["rollout/logprob_gap"] = float(gap.mean()) if gap.numel() else 0.0
+        out["rollout/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        if "ref_logp" in batch.packed:
+            kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), "k1")
+            out["actor/ref_kl"] = float(kl[mask].mean())
+        out.update(phases.times())
+        out["perf/tokens_per_s"] = float(batch.total_lens.sum()) / out["time/step"]
+        return out
+
+    # ---- validation ------------------------------------------------------------------------
+
+    def validate(self) -> dict[str, float]:
+        """Mean reward on the held-out prompts (greedy unless rollout.val_greedy=False)."""
+        r = self.config.rollout
+        prompts = prompt_batch(self.val_set, range(len(self.val_set)), repeats=1, first_id=0,
+                               split=VAL)
+        gen = run_shards(self.policy, PolicyWorker.generate, prompts, None,
+                         max_new_tokens=self.max_response, greedy=r.val_greedy,
+                         seed=_seed(self.config, -1))
+        batch = with_responses(prompts, gen.batch)
+        scored = run_shards(self.reward, RewardWorker.score, batch)
+        return {"val/reward": float(scored.batch.scalars["score"].mean()),
+                "val/response_len": float(batch.response_lens.float().mean())}
+
+
+def compute_advantages(batch: Batch, config: PPOConfig) -> Batch:
+    """Token rewards (score at the last token, minus the KL if it goes in the reward), then
+    GAE with the critic's values (PPO) or group-normalised scores (GRPO)."""
+    a = config.algo
+    mask = response_mask(batch)
+    scores = batch.scalars["score"].float()
+    kl = torch.zeros_like(mask)
+    if a.kl_coef > 0 and a.kl_in == "reward":
+        kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind) * mask
+    if a.name == "ppo":
+        rewards = kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)
+        adv, ret = gae(rewards, padded(batch, "values"), mask, gamma=a.gamma, lam=a.lam)
+        if a.whiten_advantages:
+            adv = whiten(adv, mask)
+        return add_columns(batch, packed={"advantages": packed(adv, mask),
+                                          "returns": packed(ret, mask)})
+    # GRPO: a KL in the reward lowers each response's score by its summed KL.
+    seq_scores = scores - a.kl_coef * kl.sum(1)
+    adv = grpo_advantages(seq_scores, batch.scalars["group"], mask,
+                          norm_by_std=a.grpo_norm_by_std)
+    return add_columns(batch, packed={"advantages": packed(adv, mask)})
+
+
+def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
+    """The char tokenizer over the task's alphabet for tiny models, else a local one."""
+    m = config.model
+    spec = m.tokenizer or ("char" if m.path is None else m.path)
+    if spec == "char":
+        if task.alphabet is None:
+            raise ValueError(f"config field 'model.tokenizer': task {task.name!r} needs a real "
+                             f"tokenizer (it has no alphabet); set model.path or "
+                             f"model.tokenizer to a local tokenizer directory")
+        return load_tokenizer(f"char:{task.alphabet}")
+    return load_tokenizer(spec, chat_template=m.chat_template)
+
+
+def _seed(config: PPOConfig, step: int) -> int:
+    """The sampling seed of `step` (-1: validation); each rank adds its rank."""
+    return config.train.seed * 1_000_003 + (step + 1) * 7919
+
+
+class _Phases:
+    """Times the named phases of one step and keeps every worker result for the timeline."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.spans: list[Span] = []
+        self.merged: list[Merged] = []
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(name=name, start=t, end=time.time()))
+
+    def add(self, merged: Merged) -> Merged:
+        self.merged.append(merged)
+        return merged
+
+    def times(self) -> dict[str, float]:
+        """time/<phase> seconds, time/step, and the share of the step that workers did not
+        spend computing (driver, dispatch, merge, transport, waiting): time/overhead."""
+        out = {f"time/{s.name}": s.end - s.start for s in self.spans}
+        out["time/step"] = time.time() - self.start
+        busy = 0.0
+        for m in self.merged:  # per call: the busiest rank's compute is the critical path
+            per_rank: dict[str, float] = {}
+            for r in m.results:
+                per_rank[r.identity.name] = sum(s.end - s.start for s in r.spans)
+            busy += max(per_rank.values(), default=0.0)
+        out["time/compute"] = busy
+        out["time/overhead"] = max(0.0, 1.0 - busy / out["time/step"])
+        return out
+
+    def timeline(self) -> Timeline:
+        results = [r for m in self.merged for r in m.results]
+        driver = self.spans + [s for m in self.merged for s in m.driver_spans]
+        return Timeline.from_results(results, driver_spans=driver)

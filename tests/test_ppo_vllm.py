@@ -1,0 +1,151 @@
+"""The vLLM rollout engine against the trainer's log-probs (GPU + vllm only; skipped here).
+
+A tiny random Qwen2 is saved with `save_pretrained` and served by vLLM without a tokenizer
+(token ids in and out). Its head dim is 64, a size every vLLM attention backend supports.
+The engine core runs in a child process, so one sleep-mode (CuMem) engine per test module
+is allowed; a second engine, without sleep mode, is built and closed inside one test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from avrid.ppo.models import TinyModelSpec, build_tiny_policy, load_policy
+from avrid.ppo.rollout import Completion, SamplingParams, TorchEngine, trainer_logprobs
+
+if TYPE_CHECKING:  # vllm is imported inside the engine only
+    from avrid.ppo.vllm_engine import VllmEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+SPEC = TinyModelSpec(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, max_positions=256)
+PAD = 0
+PROMPTS = [[5, 17, 301, 44, 9, 128, 77], [3], [250, 251, 252], [11, 12, 13, 14, 15, 16, 17, 18]]
+
+
+def save_policy(path: Path, seed: int, sharpen: float = 1.0) -> torch.nn.Module:
+    """Save a tiny policy; `sharpen` scales the LM head so greedy argmaxes are far from ties
+    (a random model's logits are nearly flat, and two kernels could break a tie differently)."""
+    policy = build_tiny_policy(SPEC, seed=seed, pad_token_id=PAD)
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(sharpen)
+    policy.save_pretrained(path)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vllm_ckpt")
+    save_policy(root / "a", seed=0, sharpen=4.0)
+    save_policy(root / "b", seed=1, sharpen=4.0)
+    return {"a": root / "a", "b": root / "b"}
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints: dict[str, Path]) -> Iterator[VllmEngine]:
+    from avrid.ppo.vllm_engine import VllmEngine
+
+    eng = VllmEngine(str(checkpoints["a"]), max_model_len=128, seed=0, dtype="float32",
+                     gpu_memory_utilization=0.25, enable_sleep_mode=True, enforce_eager=True)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def gap(path: Path, dtype: torch.dtype, done: list[Completion],
+        temperature: float) -> float:
+    policy = load_policy(path, dtype=dtype).cuda()
+    ref = trainer_logprobs(policy, PROMPTS, done, temperature=temperature, pad_token_id=PAD)
+    return max(float((torch.tensor(c.logprobs, device="cuda") - r).abs().max())
+               for c, r in zip(done, ref, strict=True))
+
+
+def test_vllm_engine_is_a_rollout_engine(engine: VllmEngine) -> None:
+    from avrid.ppo.rollout import RolloutEngine
+
+    assert isinstance(engine, RolloutEngine)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_float32_logprobs_match_the_trainer(engine: VllmEngine, checkpoints: dict[str, Path],
+                                            temperature: float) -> None:
+    done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=temperature,
+                                                   seed=3))
+    assert [len(c.token_ids) for c in done] == [16] * len(PROMPTS)
+    assert all(c.finish_reason == "length" for c in done)
+    assert gap(checkpoints["a"], torch.float32, done, temperature) < 1e-3
+
+
+def test_bfloat16_logprobs_match_the_trainer(checkpoints: dict[str, Path]) -> None:
+    from avrid.ppo.vllm_engine import VllmEngine
+
+    eng = VllmEngine(str(checkpoints["a"]), max_model_len=128, seed=0, dtype="bfloat16",
+                     gpu_memory_utilization=0.25, enable_sleep_mode=False, enforce_eager=True)
+    try:
+        done = eng.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.7, seed=1))
+    finally:
+        eng.close()
+    assert gap(checkpoints["a"], torch.bfloat16, done, 0.7) < 1e-2
+
+
+def test_seeded_sampling_and_identical_prompts(engine: VllmEngine) -> None:
+    params = SamplingParams(max_new_tokens=12, seed=5)
+    first = [c.token_ids for c in engine.generate(PROMPTS, params)]
+    assert [c.token_ids for c in engine.generate(PROMPTS, params)] == first
+    # Per-request seeds: a GRPO group of identical prompts must not get identical samples.
+    group = engine.generate([PROMPTS[0]] * 4, params)
+    assert len({c.token_ids for c in group}) > 1
+
+
+def test_stop_tokens_end_a_row_and_are_kept(engine: VllmEngine) -> None:
+    stops = tuple(range(1, 512))  # every token but 0 stops
+    done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, stop_token_ids=stops))
+    for c in done:
+        assert c.finish_reason == "stop" and c.token_ids[-1] in stops
+        assert len(c.logprobs) == len(c.token_ids) <= 6
+
+
+def test_sleep_frees_memory_and_wake_restores_the_same_model(engine: VllmEngine) -> None:
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+    free_awake, _ = torch.cuda.mem_get_info()
+    engine.sleep()
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep > free_awake  # the KV cache (and weights) went away
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, greedy)
+    engine.wake(tags=["weights"])
+    engine.wake()
+    assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
+
+
+def test_load_weights_switches_to_the_other_model(engine: VllmEngine,
+    checkpoints: dict[str, Path]) -> None:
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    other = load_policy(checkpoints["b"]).cuda()
+    want = [c.token_ids for c in TorchEngine(other, pad_token_id=PAD).generate(PROMPTS, greedy)]
+    before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+    assert before != want
+    try:
+        engine.load_weights(other.named_parameters())  # resets the prefix cache too
+        assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == want
+    finally:  # the module's engine serves model a to the other tests
+        engine.load_weights(load_policy(checkpoints["a"]).named_parameters())
+    assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
+
+
+def test_load_weights_while_asleep_is_refused(engine: VllmEngine,
+    checkpoints: dict[str, Path]) -> None:
+    engine.sleep()
+    try:
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.load_weights(load_policy(checkpoints["a"]).named_parameters())
+    finally:
+        engine.wake()
