@@ -54,7 +54,9 @@ class CriticWorker(Worker):
         if weights is not None:
             model.load_state_dict(weights)
         count = sum(p.numel() for p in model.parameters())
-        self.critic = fsdp.shard_model(model.to(self.device).train(), group, ident.world_size,
+        # eval(): dropout off. transformers' token classifier adds a 0.1 dropout before its
+        # head; RL fine-tuning turns dropout off so a forward pass is a function of the weights.
+        self.critic = fsdp.shard_model(model.to(self.device).eval(), group, ident.world_size,
                                        self.device)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.train.critic_lr,
                                            weight_decay=cfg.train.weight_decay,

@@ -17,6 +17,7 @@ Not here: sampling (`rollout`), the RL math (`logprobs`), optimisers, FSDP wrapp
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,9 +127,14 @@ def build_tiny_critic(spec: TinyModelSpec, *, seed: int,
     return _build(Qwen2ForTokenClassification, tiny_config(spec, num_labels=1), seed, dtype)
 
 
+_INIT_LOCK = threading.Lock()
+
+
 def _build(cls: type, config: object, seed: int, dtype: torch.dtype) -> torch.nn.Module:
     config._attn_implementation = ATTN_IMPLEMENTATION  # type: ignore[attr-defined]
-    with torch.random.fork_rng(devices=[]):
+    # transformers initialises from torch's process-global RNG. Two workers sharing a process
+    # (the in-process backend's threads) must not seed and draw from it at the same time.
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
     return model.to(dtype).eval()

@@ -77,7 +77,8 @@ class PolicyWorker(Worker):
         self.engine = self._make_engine(model)
         shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                   for n, p in model.named_parameters()}
-        self.actor = fsdp.shard_model(model.train(), group, ident.world_size, self.device)
+        # eval(): dropout off, so the old-logp pass and the update see the same function.
+        self.actor = fsdp.shard_model(model.eval(), group, ident.world_size, self.device)
         self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.train.actor_lr,
                                            weight_decay=cfg.train.weight_decay,
                                            betas=(0.9, 0.99))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -57,6 +58,7 @@ class Trainer:
 
     def __init__(self, config: PPOConfig) -> None:
         self.config = config
+        check_paths(config)
         t = config.task
         self.task: Task = load_task(t.name, **dict(t.options),
                                     **({"path": t.path} if t.path else {}))
@@ -263,6 +265,22 @@ def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
                              f"model.tokenizer to a local tokenizer directory")
         return load_tokenizer(f"char:{task.alphabet}")
     return load_tokenizer(spec, chat_template=m.chat_template)
+
+
+def check_paths(config: PPOConfig) -> None:
+    """Every local path the config names must exist, checked before anything starts."""
+    m, t = config.model, config.task
+    for field, path, kind in (("model.path", m.path, "directory"),
+                              ("model.critic_path", m.critic_path, "directory"),
+                              ("model.tokenizer", None if m.tokenizer in (None, "char")
+                               else m.tokenizer, "directory"),
+                              ("task.path", t.path, "file")):
+        if path is None:
+            continue
+        ok = Path(path).is_dir() if kind == "directory" else Path(path).is_file()
+        if not ok:
+            raise ValueError(f"config field {field!r}: no local {kind} at {path!r} (nothing is "
+                             f"downloaded; point it at a local copy)")
 
 
 def _seed(config: PPOConfig, step: int) -> int:
