@@ -21,8 +21,8 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed  ## create .venv and install avrid with its dev tools
 
-demo: setup  ## run every chapter's demo on CPU
-	$(BIN)/avrid demo all
+demo: setup  ## the main job: `avrid ppo` (PPO on CPU, a few minutes)
+	$(BIN)/avrid ppo
 
 lint: setup  ## style and the layer import contract
 	$(BIN)/ruff check avrid chapters tests benchmarks

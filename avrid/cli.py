@@ -108,14 +108,15 @@ def _ppo(args: argparse.Namespace) -> None:
                         ("backend", "placement.backend"), ("task", "task.name")):
         if getattr(args, flag) is not None:
             sets.append(f"{field}={getattr(args, flag)}")
-    if args.algo == "grpo" and args.out is None and args.preset == "tiny-ppo":
-        sets.append("train.out_dir=runs/tiny_grpo")
+    name = args.preset
+    if args.algo == "grpo" and name == "tiny-ppo":
+        name = "tiny-grpo"  # the default run's GRPO twin (bigger groups, its own out_dir)
     if args.resume:
         sets.append("train.resume=true")
     if args.backend == "inprocess":  # threads cannot form an FSDP group: one rank per role
         sets += ["placement.actor_dp=1", "placement.critic_dp=1"]
     try:
-        config = with_overrides(preset(args.preset), sets + args.overrides)
+        config = with_overrides(preset(name), sets + args.overrides)
     except (ValueError, TypeError) as e:
         print(f"avrid ppo: {e}", file=sys.stderr)
         sys.exit(2)

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_SAYS = {"ch01_workers": "same all-reduce results: true",
              "ch02_dispatch": "all checks passed",
              "ch03_results": "all checks passed",
-             "ch04_resharding": "all checks passed"}
+             "ch04_resharding": "all checks passed",
+             "ch05_ppo": "all checks passed"}
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 

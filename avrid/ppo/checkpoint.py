@@ -103,11 +103,13 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
 
     Example:
         >>> import tempfile
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> root = tmp.name
         >>> path = save_checkpoint(root, 3, weights={"actor": {"w": torch.ones(2)}},
         ...                        optimizers={}, state={"step": 3})
         >>> path.name, latest_checkpoint(root).name, load_checkpoint(root).state
         ('step_000003', 'step_000003', {'step': 3})
+        >>> tmp.cleanup()
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")

@@ -79,11 +79,13 @@ class MetricsLogger:
 
     Example:
         >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "metrics.jsonl"
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> path = Path(tmp.name) / "metrics.jsonl"
         >>> with MetricsLogger(path) as log:
         ...     log.log(1, {"train/reward": 0.5, "loss": float("nan")})
         >>> read_metrics(path)
         [{'step': 1, 'train/reward': 0.5, 'loss': None}]
+        >>> tmp.cleanup()
     """
 
     def __init__(self, path: str | os.PathLike[str], *, resume_step: int | None = None,
@@ -94,13 +96,17 @@ class MetricsLogger:
         # Optional backends first: a missing package must fail before the file is touched.
         self._tb: Any = None
         self._wandb: Any = None
-        if tensorboard_dir is not None:
-            self._tb = _summary_writer(tensorboard_dir, resume_step)
-            if config:
-                self._tb.add_text("config", json.dumps(config, indent=2, default=str))
-        if wandb_project is not None:
-            self._wandb = _wandb_run(wandb_project, config, resume_step)
-        self._out = _JsonlAppender(path, resume_step)
+        try:
+            if tensorboard_dir is not None:
+                self._tb = _summary_writer(tensorboard_dir, resume_step)
+                if config:
+                    self._tb.add_text("config", json.dumps(config, indent=2, default=str))
+            if wandb_project is not None:
+                self._wandb = _wandb_run(wandb_project, config, resume_step)
+            self._out = _JsonlAppender(path, resume_step)
+        except BaseException:
+            self._close_backends()
+            raise
 
     @property
     def path(self) -> Path:
@@ -123,6 +129,9 @@ class MetricsLogger:
     def close(self) -> None:
         """Close the file and the optional backends; safe to call twice."""
         self._out.close()
+        self._close_backends()
+
+    def _close_backends(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -106,7 +106,8 @@ def phase_figure(rows: Rows, *, title: str | None = None) -> Figure:
                for p in names]
     wall_steps, wall = _series(rows, "time/step")
     if wall_steps:
-        (line,) = ax.plot(wall_steps, wall, color="black", linewidth=1.0, label="time/step")
+        (line,) = ax.plot(wall_steps, wall, color="black", linewidth=1.0, label="time/step",
+                         drawstyle="steps-mid")  # flat across each bar
         handles.append(line)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
