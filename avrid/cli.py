@@ -111,10 +111,17 @@ def _ppo(args: argparse.Namespace) -> None:
     name = args.preset
     if args.algo == "grpo" and name == "tiny-ppo":
         name = "tiny-grpo"  # the default run's GRPO twin (bigger groups, its own out_dir)
+    if args.task is not None:
+        sets.append("task.options=")  # the preset's options belong to the preset's task
     if args.resume:
         sets.append("train.resume=true")
     if args.backend == "inprocess":  # threads cannot form an FSDP group: one rank per role
         sets += ["placement.actor_dp=1", "placement.critic_dp=1"]
+    # A custom task module (`--task my_tasks:make_task`) is looked up from where you run the
+    # command, by the driver and by every Ray worker process (hence PYTHONPATH too).
+    sys.path.insert(0, os.getcwd())
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     try:
         config = with_overrides(preset(name), sets + args.overrides)
     except (ValueError, TypeError) as e:
@@ -123,7 +130,12 @@ def _ppo(args: argparse.Namespace) -> None:
     if args.print_config:
         print(json.dumps(config_dict(config), indent=2))
         return
-    summary = train(config, log=print)
+    try:
+        summary = train(config, log=print)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        # Config and task errors found at start: one line naming what is wrong, no traceback.
+        print(f"avrid ppo: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; validation "
           f"reward {summary.initial_val_reward:.3f} -> {summary.final_val_reward:.3f}; "
           f"outputs in {summary.out_dir}/")

@@ -35,6 +35,10 @@ PHASES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages",
           "critic_update", "actor_update", "weight_sync")
 """The trainer's phases in the order a step runs them (the stacking order of the bars)."""
 
+NOT_PHASES = ("time/step", "time/compute", "time/overhead")
+"""time/* keys that are not phases: the step total, worker compute (overlaps the phases) and
+the overhead share (a fraction, not seconds)."""
+
 Rows = Sequence[Mapping[str, Any]]
 
 
@@ -151,7 +155,7 @@ def _series(rows: Rows, key: str) -> tuple[list[Any], list[float]]:
 def _phase_names(rows: Rows) -> list[str]:
     """Phases present in `rows`: the known ones in pipeline order, then others by name."""
     found = {k.removeprefix("time/") for r in rows for k in r
-             if k.startswith("time/") and k != "time/step"}
+             if k.startswith("time/") and k not in NOT_PHASES}
     return [p for p in PHASES if p in found] + sorted(found - set(PHASES))
 
 
