@@ -1,0 +1,302 @@
+"""Benchmark — where a PPO step's time goes: model compute in workers vs orchestration overhead.
+
+What is measured: whole training steps of the chapter 5 `Trainer` (Ray backend, the policy and
+the critic each FSDP2 over dp = 2 CPU workers, colocated, plus one reward worker) on the
+``small-cpu`` preset (PPO, a 256-wide, 4-layer model on 6-digit reversal), a model wide enough
+that compute should dominate the step, with 16 responses per prompt and mini-batches of 256
+instead of the preset's 8 and 128 (``SMALL_OVERRIDES``: the same calls carry twice the work;
+printed with the results). The trainer
+is driven directly — ``start()``, ``train_step(step)`` a few times, ``close()`` — with no
+validation, checkpoint or logging around it. The first step is a warm-up (first-call costs:
+gloo connections, allocator growth, lazy imports) and is not reported; every phase is reported
+as the median over the measured steps (``--steps``, 5 by default).
+
+Per step, from the trainer's own records (`Trainer.train_step`'s metrics and `trainer.timeline`,
+the chapter 3 timeline of that step):
+
+    wall       the phase's driver span (``time/<phase>``): from the driver entering the phase
+               to it leaving, as the trainer times it
+    compute    for every `run_shards` call of the phase, the busiest rank's summed worker spans
+               (the `ResultBuilder.span`s around model work: generate, old_logp, values,
+               forward_backward, optimizer, reward), added over the phase's calls. The busiest
+               rank is the critical path of a call; ranks wait for each other inside FSDP
+               collectives, and that wait sits inside their spans, so it counts as compute.
+               Calls are matched to the worker spans that lie inside their send..wait window.
+    overhead   wall - compute: everything in the phase that is not model compute in a worker
+
+The step's overhead share is 1 - compute / step, the trainer's ``time/overhead``
+(``time/step`` runs from the start of `train_step` to when its metrics are taken), and the
+target is <= 10 % on ``small-cpu``. The rows add up: "between phases" is the driver's time
+outside any named phase (picking prompts, the dispatch plan shared by the log-prob and value
+passes, computing the metrics).
+
+What overhead counts, and where the script shows it going (``run_shards``'s driver spans):
+
+    plan       making the chapter 2 dispatch plan
+    send       splitting the batch into shards, ``ray.put`` of each, submitting the calls
+    wait - compute   the rest of each call's wait beyond its busiest rank's compute: Ray's
+               transport (task submission, (de)serialising shards and `WorkerResult`s), and
+               worker-side time outside spans (unpacking the shard, building the result and
+               its metrics, the method call itself)
+    merge      checking and merging the canonical results on the driver
+    driver     driver work inside phases but outside `run_shards`: attaching columns to the
+               batch, GAE / group advantages (the whole ``advantages`` phase)
+    weight sync   the ``weight_sync`` phase, all of it: a plain ``group.call`` whose workers
+               record no spans (transfer of the FSDP shards, engine load, fingerprint check),
+               so by the trainer's definition it is orchestration, not compute
+    between phases   as above
+
+What is not counted as overhead: anything inside a worker span, including FSDP's all-gathers
+and reduce-scatters and any rank waiting for another in them, and the rollout engine's
+wake/sleep (inside the ``generate`` span). What is not measured at all: cluster start-up (it
+is printed, not judged), validation, checkpoints, metric logging.
+
+For contrast the same is printed for ``tiny-ppo`` (a 2-layer, 64-wide model): there the
+models are so small that orchestration dominates the step. That is expected and is why the
+target is judged on ``small-cpu`` only.
+
+Run: ``python benchmarks/bench_ppo.py [--steps 5] [--contrast-steps 3] [--no-contrast]
+[--set section.field=value ...]`` (``--set`` changes the small-cpu preset like ``avrid ppo
+--set``). It exits 0 whether or not the target is met (a benchmark, not a test), and non-zero
+when the measurement could not be made (a step failed, or no step was measured); the ratio is
+printed either way, from the steps that did complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from avrid.ppo.config import PPOConfig, with_overrides
+from avrid.ppo.data import step_indices
+from avrid.ppo.presets import preset
+from avrid.ppo.trainer import Trainer
+from avrid.results import Timeline
+from avrid.results.timeline import DRIVER
+
+TARGET_OVERHEAD = 0.10  # on small-cpu: orchestration <= 10 % of a step
+PHASES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages",
+          "critic_update", "actor_update", "weight_sync")
+CALL_SPANS = ("plan", "send", "wait", "merge")  # run_shards' driver spans, in order
+BETWEEN = "(between phases)"
+# Where the overhead goes, in the order printed; their sum is step - compute.
+SOURCES = ("plan", "send", "wait - compute", "merge", "driver", "weight sync", BETWEEN)
+BENCH_OVERRIDES = ("train.progress=false",)
+# small-cpu as the preset has it, with twice the responses per prompt and a mini-batch twice as
+# large: the same 8 calls per step carry twice the tokens, so the fixed cost of a call (and of
+# the weight sync, which scales with the model, not the batch) is measured against enough work
+# for the step to stay ~5-8 s here. Prompts per step stay 32: the driver's prompt sampling
+# costs per prompt, not per response.
+SMALL_OVERRIDES = ("algo.responses_per_prompt=16", "train.mini_batch_size=256")
+
+
+@dataclass
+class StepBreakdown:
+    """One measured step: per-phase wall and compute seconds, and the overhead by source."""
+
+    step: float
+    compute: float
+    """The trainer's ``time/compute``."""
+    wall: dict[str, float] = field(default_factory=dict)
+    phase_compute: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, float] = field(default_factory=dict)
+    calls: int = 0
+    pick_prompts: float = 0.0
+    """`data.step_indices` for this step, timed again on its own (part of "between phases")."""
+
+    @property
+    def overhead(self) -> float:
+        return max(0.0, 1.0 - self.compute / self.step)
+
+
+def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
+    """Split one step's time by phase and the overhead by source (see the module docstring)."""
+    out = StepBreakdown(step=metrics["time/step"], compute=metrics["time/compute"])
+    driver = next(lane for lane in timeline.lanes if lane.label == DRIVER)
+    workers = [lane for lane in timeline.lanes if lane.label != DRIVER]
+    phases = [s for s in driver.spans if s.name in PHASES]
+    call_spans = sorted((s for s in driver.spans if s.name in CALL_SPANS),
+                        key=lambda s: s.start)
+    calls = [call_spans[i:i + 4] for i in range(0, len(call_spans), 4)]
+    if any(tuple(s.name for s in c) != CALL_SPANS for c in calls):
+        raise RuntimeError(f"driver spans are not plan/send/wait/merge sequences: "
+                           f"{[s.name for s in call_spans]}")
+    src = dict.fromkeys(SOURCES, 0.0)
+    for phase in phases:
+        out.wall[phase.name] = phase.duration
+        mine = [c for c in calls if phase.start <= c[0].start <= phase.end]
+        compute = sum(_busiest(workers, send.start, wait.end) for _, send, wait, _ in mine)
+        out.phase_compute[phase.name] = compute
+        out.calls += len(mine)
+        in_calls = 0.0
+        for plan, send, wait, merge in mine:
+            src["plan"] += plan.duration
+            src["send"] += send.duration
+            src["merge"] += merge.duration
+            in_calls += plan.duration + send.duration + wait.duration + merge.duration
+        src["wait - compute"] += sum(c[2].duration for c in mine) - compute
+        rest = phase.duration - in_calls  # the driver's own work in the phase
+        src["weight sync" if phase.name == "weight_sync" else "driver"] += rest
+    src[BETWEEN] = out.step - sum(out.wall.values())
+    out.sources = src
+    matched = sum(out.phase_compute.values())
+    if abs(matched - out.compute) > 0.01 * out.compute + 1e-3:
+        print(f"  warning: worker spans matched to calls add up to {matched:.3f} s, the "
+              f"trainer's time/compute is {out.compute:.3f} s (clock skew between processes?)")
+    return out
+
+
+def _busiest(workers: Sequence, start: float, end: float) -> float:
+    """The largest per-worker sum of span seconds inside [start, end] (one call's ranks)."""
+    return max((sum(s.duration for s in lane.spans if s.start >= start and s.end <= end)
+                for lane in workers), default=0.0)
+
+
+@dataclass
+class Measurement:
+    """What one preset's run gave: start-up seconds, every step's breakdown, or the error."""
+
+    name: str
+    config: PPOConfig
+    init_s: float = float("nan")
+    """`Trainer(config)`: the task loaded, every prompt tokenized, on the driver."""
+    start_s: float = float("nan")
+    """`Trainer.start()`: Ray, the workers, their models and process groups."""
+    train_prompts: int = 0
+    warmup: list[StepBreakdown] = field(default_factory=list)
+    steps: list[StepBreakdown] = field(default_factory=list)
+    error: str | None = None
+
+
+def measure(name: str, overrides: Sequence[str], steps: int, warmup: int) -> Measurement:
+    """Start a trainer for preset `name`, run warm-up + measured steps, close it."""
+    config = with_overrides(preset(name), [*BENCH_OVERRIDES, *overrides])
+    m = Measurement(name=name, config=config)
+    try:
+        t0 = time.perf_counter()
+        trainer = Trainer(config)
+        try:
+            m.init_s = time.perf_counter() - t0
+            m.train_prompts = len(trainer.train_set)
+            trainer.start()
+            m.start_s = time.perf_counter() - t0 - m.init_s
+            for step in range(warmup + steps):
+                metrics, _ = trainer.train_step(step)
+                b = breakdown(metrics, trainer.timeline)
+                t = config.train
+                t1 = time.perf_counter()
+                step_indices(step, t.prompts_per_step, len(trainer.train_set), t.seed)
+                b.pick_prompts = time.perf_counter() - t1
+                (m.warmup if step < warmup else m.steps).append(b)
+                print(f"  {name} step {step}{' (warm-up)' if step < warmup else ''}: "
+                      f"{b.step:.2f} s, compute {b.compute:.2f} s, overhead "
+                      f"{b.overhead:.1%}", flush=True)
+        finally:
+            trainer.close()
+    except Exception:  # report what was measured, and why the rest was not
+        m.error = traceback.format_exc()
+        print(m.error, file=sys.stderr)
+    return m
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def describe_config(c: PPOConfig) -> str:
+    m, t, a, p = c.model, c.train, c.algo, c.placement
+    return (f"{a.name}, model hidden {m.hidden_size} x {m.num_layers} layers "
+            f"({m.num_heads} heads, {m.dtype}), task {c.task.name} {dict(c.task.options)}, "
+            f"{t.prompts_per_step} prompts x {a.responses_per_prompt} responses, mini-batch "
+            f"{t.mini_batch_size}, micro-batch {t.micro_batch_tokens} tokens, "
+            f"{p.backend} actor_dp={p.actor_dp} critic_dp={p.critic_dp} "
+            f"({p.cpus_per_worker:g} CPU per bundle)")
+
+
+def report(m: Measurement, *, judged: bool) -> float:
+    """Print the per-phase table and the overhead sources; return the median overhead share."""
+    steps = m.steps
+    print(f"\n== {m.name}: {describe_config(m.config)}")
+    print(f"not judged: Trainer(config) {m.init_s:.1f} s (tokenizing {m.train_prompts} "
+          f"training prompts), start() {m.start_s:.1f} s (workers, models, process groups)")
+    print(f"{len(steps)} measured step(s) after {len(m.warmup)} warm-up")
+    if not steps:
+        print("no step was measured")
+        return float("nan")
+    step = _median([b.step for b in steps])
+    print(f"medians over steps; compute = busiest rank's worker spans per call, added; "
+          f"share = overhead / step ({_median([b.calls for b in steps]):.0f} run_shards "
+          f"calls per step)")
+    print(f"{'phase':<18}{'wall s':>9}{'compute s':>11}{'overhead s':>12}{'share':>8}")
+    names = [p for p in PHASES if any(p in b.wall for b in steps)]
+    for p in names:
+        wall = _median([b.wall.get(p, 0.0) for b in steps])
+        comp = _median([b.phase_compute.get(p, 0.0) for b in steps])
+        over = _median([b.wall.get(p, 0.0) - b.phase_compute.get(p, 0.0) for b in steps])
+        print(f"{p:<18}{wall:>9.3f}{comp:>11.3f}{over:>12.3f}{over / step:>8.1%}")
+    between = _median([b.sources[BETWEEN] for b in steps])
+    print(f"{BETWEEN:<18}{between:>9.3f}{0.0:>11.3f}{between:>12.3f}{between / step:>8.1%}")
+    comp = _median([b.compute for b in steps])
+    over = _median([b.step - b.compute for b in steps])
+    print(f"{'step':<18}{step:>9.3f}{comp:>11.3f}{over:>12.3f}{over / step:>8.1%}")
+
+    print("where the overhead goes (seconds per step, median; share of the step):")
+    for s in SOURCES:
+        v = _median([b.sources[s] for b in steps])
+        print(f"  {s:<16}{v:>8.3f}{v / step:>8.1%}")
+    v = _median([b.pick_prompts for b in steps])
+    print(f"    of which picking the step's prompts (data.step_indices, over "
+          f"{m.config.train.prompts_per_step} prompts of {m.train_prompts}, timed again "
+          f"apart): {v:.3f} s")
+    shares = [b.overhead for b in steps]
+    share = _median(shares)
+    verdict = ("PASS" if share <= TARGET_OVERHEAD else "FAIL") if judged else "not judged"
+    print(f"overhead share of step time = {share:.1%} [per step {min(shares):.1%}-"
+          f"{max(shares):.1%}] (target <= {TARGET_OVERHEAD:.0%} on small-cpu): {verdict}")
+    return share
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="measured small-cpu steps (5)")
+    parser.add_argument("--warmup", type=int, default=1, help="unreported first steps (1)")
+    parser.add_argument("--contrast-steps", type=int, default=3,
+                        help="measured tiny-ppo steps (3)")
+    parser.add_argument("--no-contrast", action="store_true", help="skip the tiny-ppo run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.FIELD=VALUE", help="change the small-cpu preset")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    print(f"{os.cpu_count()} CPU cores; {args.warmup} warm-up + {args.steps} measured steps "
+          f"(small-cpu), {args.contrast_steps} (tiny-ppo)")
+    ok = True
+    try:
+        small = measure("small-cpu", [*SMALL_OVERRIDES, *args.overrides], args.steps,
+                        args.warmup)
+        if not args.no_contrast:
+            tiny = measure("tiny-ppo", [], args.contrast_steps, args.warmup)
+    finally:
+        import ray
+
+        ray.shutdown()
+    share = report(small, judged=True)
+    ok = small.error is None and bool(small.steps)
+    if not args.no_contrast:
+        tiny_share = report(tiny, judged=False)
+        ok = ok and tiny.error is None and bool(tiny.steps)
+        print(f"\ntiny-ppo overhead {tiny_share:.1%} vs small-cpu {share:.1%}: with a tiny "
+              f"model the fixed cost per call dominates the step")
+    if not ok:
+        print("the measurement could not be completed (see the error above)", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
