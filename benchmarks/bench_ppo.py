@@ -2,14 +2,14 @@
 
 What is measured: whole training steps of the chapter 5 `Trainer` (Ray backend, the policy and
 the critic each FSDP2 over dp = 2 CPU workers, colocated, plus one reward worker) on the
-``small-cpu`` preset (PPO, a 256-wide, 4-layer model on 6-digit reversal), a model wide enough
-that compute should dominate the step, with 16 responses per prompt and mini-batches of 256
-instead of the preset's 8 and 128 (``SMALL_OVERRIDES``: the same calls carry twice the work;
-printed with the results). The trainer
-is driven directly — ``start()``, ``train_step(step)`` a few times, ``close()`` — with no
-validation, checkpoint or logging around it. The first step is a warm-up (first-call costs:
-gloo connections, allocator growth, lazy imports) and is not reported; every phase is reported
-as the median over the measured steps (``--steps``, 5 by default).
+``small-cpu`` preset (PPO, a 256-wide, 4-layer model on 6-digit reversal), where model compute
+should dominate the step, with 16 responses per prompt and mini-batches of 256 instead of the
+preset's 8 and 128 (``SMALL_OVERRIDES``: the same calls carry twice the work; printed with the
+results). The trainer is driven directly — ``start()``, ``train_step(step)`` a few times,
+``close()`` — with no validation, checkpoint or logging around it. The first step is a warm-up
+(first-call costs: gloo connections, allocator growth, lazy imports) and is not reported;
+every number is the median over the measured steps (``--steps``, 5 by default), shares being
+the median of each step's own share.
 
 Per step, from the trainer's own records (`Trainer.train_step`'s metrics and `trainer.timeline`,
 the chapter 3 timeline of that step):
@@ -78,7 +78,7 @@ from avrid.ppo.data import step_indices
 from avrid.ppo.presets import preset
 from avrid.ppo.trainer import Trainer
 from avrid.results import Timeline
-from avrid.results.timeline import DRIVER
+from avrid.results.timeline import DRIVER, Lane
 
 TARGET_OVERHEAD = 0.10  # on small-cpu: orchestration <= 10 % of a step
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages",
@@ -109,6 +109,8 @@ class StepBreakdown:
     calls: int = 0
     pick_prompts: float = 0.0
     """`data.step_indices` for this step, timed again on its own (part of "between phases")."""
+    tokens: int = 0
+    """Prompt + response tokens of the step's batch."""
 
     @property
     def overhead(self) -> float:
@@ -152,7 +154,7 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
     return out
 
 
-def _busiest(workers: Sequence, start: float, end: float) -> float:
+def _busiest(workers: Sequence[Lane], start: float, end: float) -> float:
     """The largest per-worker sum of span seconds inside [start, end] (one call's ranks)."""
     return max((sum(s.duration for s in lane.spans if s.start >= start and s.end <= end)
                 for lane in workers), default=0.0)
@@ -187,8 +189,9 @@ def measure(name: str, overrides: Sequence[str], steps: int, warmup: int) -> Mea
             trainer.start()
             m.start_s = time.perf_counter() - t0 - m.init_s
             for step in range(warmup + steps):
-                metrics, _ = trainer.train_step(step)
+                metrics, batch = trainer.train_step(step)
                 b = breakdown(metrics, trainer.timeline)
+                b.tokens = int(batch.total_lens.sum())
                 t = config.train
                 t1 = time.perf_counter()
                 step_indices(step, t.prompts_per_step, len(trainer.train_set), t.seed)
@@ -229,27 +232,27 @@ def report(m: Measurement, *, judged: bool) -> float:
     if not steps:
         print("no step was measured")
         return float("nan")
-    step = _median([b.step for b in steps])
-    print(f"medians over steps; compute = busiest rank's worker spans per call, added; "
-          f"share = overhead / step ({_median([b.calls for b in steps]):.0f} run_shards "
-          f"calls per step)")
+    print(f"medians over steps ({_median([b.tokens for b in steps]):.0f} tokens and "
+          f"{_median([b.calls for b in steps]):.0f} run_shards calls per step); compute = the "
+          f"busiest rank's worker spans per call, added; share = overhead / step")
     print(f"{'phase':<18}{'wall s':>9}{'compute s':>11}{'overhead s':>12}{'share':>8}")
-    names = [p for p in PHASES if any(p in b.wall for b in steps)]
-    for p in names:
-        wall = _median([b.wall.get(p, 0.0) for b in steps])
-        comp = _median([b.phase_compute.get(p, 0.0) for b in steps])
-        over = _median([b.wall.get(p, 0.0) - b.phase_compute.get(p, 0.0) for b in steps])
-        print(f"{p:<18}{wall:>9.3f}{comp:>11.3f}{over:>12.3f}{over / step:>8.1%}")
-    between = _median([b.sources[BETWEEN] for b in steps])
-    print(f"{BETWEEN:<18}{between:>9.3f}{0.0:>11.3f}{between:>12.3f}{between / step:>8.1%}")
-    comp = _median([b.compute for b in steps])
-    over = _median([b.step - b.compute for b in steps])
-    print(f"{'step':<18}{step:>9.3f}{comp:>11.3f}{over:>12.3f}{over / step:>8.1%}")
+
+    def row(name: str, wall: list[float], comp: list[float]) -> None:
+        over = [w - c for w, c in zip(wall, comp, strict=True)]
+        share = _median([o / b.step for o, b in zip(over, steps, strict=True)])
+        print(f"{name:<18}{_median(wall):>9.3f}{_median(comp):>11.3f}{_median(over):>12.3f}"
+              f"{share:>8.1%}")
+
+    for p in (p for p in PHASES if any(p in b.wall for b in steps)):
+        row(p, [b.wall.get(p, 0.0) for b in steps], [b.phase_compute.get(p, 0.0) for b in steps])
+    row(BETWEEN, [b.sources[BETWEEN] for b in steps], [0.0] * len(steps))
+    row("step", [b.step for b in steps], [b.compute for b in steps])
 
     print("where the overhead goes (seconds per step, median; share of the step):")
     for s in SOURCES:
         v = _median([b.sources[s] for b in steps])
-        print(f"  {s:<16}{v:>8.3f}{v / step:>8.1%}")
+        share = _median([b.sources[s] / b.step for b in steps])
+        print(f"  {s:<16}{v:>8.3f}{share:>8.1%}")
     v = _median([b.pick_prompts for b in steps])
     print(f"    of which picking the step's prompts (data.step_indices, over "
           f"{m.config.train.prompts_per_step} prompts of {m.train_prompts}, timed again "

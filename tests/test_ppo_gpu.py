@@ -72,7 +72,7 @@ def test_tiny_ppo_step_fsdp2_over_two_gpus_with_nccl(tmp_path: Path) -> None:
 # --- GSM8K GRPO with vLLM, on a tiny model and tokenizer written in code ---
 
 WORDS = ("<pad>", "<eos>", "<unk>", "user", "assistant", ":", "####", *"0123456789",
-         "How", "many", "apples", "does", "Tom", "have", "?", "is", "the", "answer")
+         "Tom", "has", "apples", "and", "more", ".", "How", "many", "?", "answer")
 PROBLEMS = [{"question": f"Tom has {a} apples and {b} more . How many ?",
              "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in
             [(1, 2), (3, 4), (2, 2), (5, 1), (4, 4), (6, 3), (7, 1), (2, 8), (3, 3), (9, 0)]]
@@ -82,13 +82,14 @@ VOCAB = 128  # the words above, then fillers: the model's vocabulary is the toke
 def save_tiny_tokenizer(path: Path) -> int:
     """A word-level tokenizer with a chat template (no download); returns its size."""
     from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = [*WORDS, *(f"w{i}" for i in range(VOCAB - len(WORDS)))]
     raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.decoder = decoders.WordPiece()  # joins words with spaces: "#### 7" decodes as such
+    # No decoder: tokens are joined with spaces, so "#### 7" decodes as it was written (a
+    # WordPiece decoder would read "##" as a continuation prefix and eat the marker).
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>",
                                    pad_token="<pad>")
     fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
@@ -120,13 +121,17 @@ def gsm8k_run_config(model: Path, data: Path, out: Path, *extra: str) -> PPOConf
 @pytest.mark.vllm
 @pytest.mark.timeout(900)  # vLLM's start-up (engine core, CUDA graphs) dominates
 def test_gsm8k_grpo_with_vllm_on_a_tiny_model(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    save_tiny_model(model, save_tiny_tokenizer(model))  # one directory, like a real checkpoint
+    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+    # Two directories: beside a Qwen2 config.json, transformers' AutoTokenizer picks the Qwen2
+    # tokenizer class by model type, which re-reads a word-level vocabulary as byte-level BPE
+    # and garbles it. A real checkpoint ships its own Qwen2 tokenizer, so it does not care.
+    save_tiny_model(model, save_tiny_tokenizer(tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     out = tmp_path / "run"
     # Prompts are ~30 tokens with the template and the instruction; 96 + 16 <= 256 positions.
-    train(gsm8k_run_config(model, data, out, "rollout.max_prompt_tokens=96",
+    train(gsm8k_run_config(model, data, out, f"model.tokenizer={tokenizer}",
+                           "rollout.max_prompt_tokens=96",
                            "rollout.max_response_tokens=16",
                            "rollout.gpu_memory_utilization=0.3"))
     rows = metric_lines(out)
