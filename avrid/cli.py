@@ -2,13 +2,16 @@
 
     avrid ppo               train: PPO on CPU with the default preset (the README's main job)
     avrid ppo --algo grpo   the same with GRPO;  --preset NAME, --set section.field=value ...
+    avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
+                            for its latest checkpoint, a checkpoints/ root or a step directory)
     avrid chapters          list the chapters and how to run each demo
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
     avrid demo all          run every chapter's demo in order
 
 It sits above every layer and holds no logic of its own: training is `avrid.ppo.run.train`,
-each demo lives in its chapter package. Chapters are run from the source checkout, so `demo`
-needs the repository that avrid was installed from (``pip install -e .``).
+exporting is `avrid.ppo.export.export_checkpoint`, each demo lives in its chapter package.
+Chapters are run from the source checkout, so `demo` needs the repository that avrid was
+installed from (``pip install -e .``).
 """
 
 from __future__ import annotations
@@ -68,10 +71,18 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="SECTION.FIELD=VALUE", help="any config field; repeatable")
     ppo.add_argument("--print-config", action="store_true", help="print the config and exit")
+    export = sub.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
+    export.add_argument("source", help="a run directory (its latest checkpoint), a checkpoints/ "
+                        "root or a step directory")
+    export.add_argument("dest", help="the directory to write (must not exist, or be empty)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty DEST")
     args = parser.parse_args(argv)
 
     if args.command == "ppo":
         _ppo(args)
+        return
+    if args.command == "export":
+        _export(args)
         return
 
     if args.command == "chapters":
@@ -138,7 +149,21 @@ def _ppo(args: argparse.Namespace) -> None:
         sys.exit(2)
     print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; validation "
           f"reward {summary.initial_val_reward:.3f} -> {summary.final_val_reward:.3f}; "
-          f"outputs in {summary.out_dir}/")
+          f"outputs in {summary.out_dir}/ (the policy in Hugging Face format: "
+          f"{summary.out_dir}/export/)")
+
+
+def _export(args: argparse.Namespace) -> None:
+    """Export a checkpoint; bad input is one line naming what is wrong, exit status 2."""
+    from avrid.ppo.export import export_checkpoint
+
+    try:
+        done = export_checkpoint(args.source, args.dest, overwrite=args.overwrite)
+    except (ValueError, OSError) as e:  # not a checkpoint, destination taken, files gone
+        print(f"avrid export: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"avrid export: step {done.step} of {done.checkpoint} -> {done.dest}/ "
+          f"({', '.join(done.files)})")
 
 
 if __name__ == "__main__":

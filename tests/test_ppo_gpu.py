@@ -3,7 +3,8 @@
 - one GPU: the tiny PPO run with the torch engine on CUDA, one rank per role;
 - two GPUs: the same with the actor and the critic FSDP2-sharded over dp = 2, over NCCL;
 - one GPU + vllm: a short GSM8K GRPO run served by vLLM, with a tiny random Qwen2 and a tiny
-  word-level tokenizer written into tmp_path in code (no download);
+  word-level tokenizer written into tmp_path in code (no download); the same run on vLLM's
+  CPU build (marked vllm only) runs in the vllm tier here;
 - optionally, the `qwen-gsm8k` preset on a real checkpoint and data file named by
   ``AVRID_QWEN_PATH`` and ``AVRID_GSM8K_PATH`` (skipped, saying so, when they are unset).
 
@@ -117,10 +118,13 @@ def gsm8k_run_config(model: Path, data: Path, out: Path, *extra: str) -> PPOConf
         "train.checkpoint_every=0", "train.progress=false", *extra])
 
 
-@pytest.mark.gpu(count=1)
 @pytest.mark.vllm
 @pytest.mark.timeout(900)  # vLLM's start-up (engine core, CUDA graphs) dominates
-def test_gsm8k_grpo_with_vllm_on_a_tiny_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=pytest.mark.gpu(count=1)),
+    # The same preset and code path on vLLM's CPU build: bf16, chat template, KL, GRPO.
+    pytest.param("cpu", marks=pytest.mark.usefixtures("ray_cluster"))])
+def test_gsm8k_grpo_with_vllm_on_a_tiny_model(tmp_path: Path, device: str) -> None:
     model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
     # Two directories: beside a Qwen2 config.json, transformers' AutoTokenizer picks the Qwen2
     # tokenizer class by model type, which re-reads a word-level vocabulary as byte-level BPE
@@ -133,7 +137,8 @@ def test_gsm8k_grpo_with_vllm_on_a_tiny_model(tmp_path: Path) -> None:
     train(gsm8k_run_config(model, data, out, f"model.tokenizer={tokenizer}",
                            "rollout.max_prompt_tokens=96",
                            "rollout.max_response_tokens=16",
-                           "rollout.gpu_memory_utilization=0.3"))
+                           "rollout.gpu_memory_utilization=0.3",
+                           f"placement.device={device}", "placement.cpus_per_worker=1"))
     rows = metric_lines(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:

@@ -187,6 +187,19 @@ def test_hf_tokenizer_from_a_local_directory(tmp_path: Path) -> None:
     assert isinstance(load_tokenizer(str(tmp_path)), HFTokenizer)
 
 
+def test_stop_ids_include_every_eos_of_the_generation_config(tmp_path: Path) -> None:
+    from avrid.ppo.reward_worker import response_text
+
+    _save_tiny_hf_tokenizer(tmp_path)
+    assert HFTokenizer(tmp_path).stop_token_ids == (1,)  # no generation config: EOS alone
+    # Qwen2.5-Instruct style: the turn ends at one id, the config lists another as well.
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 1]}')
+    tok = HFTokenizer(tmp_path)
+    assert tok.stop_token_ids == (1, 7)  # the tokenizer's EOS first, no repeats
+    assert response_text([3, 4, 7, 5, 1], tok) == "hello world"  # cut at the first stop
+    assert CharTokenizer("ab").stop_token_ids == (1,)
+
+
 def test_hf_tokenizer_missing_path(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model"):

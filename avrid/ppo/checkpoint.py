@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,8 +166,15 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return steps[-1][1] if steps else None
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, models: Collection[str] | None = None,
+                    training_state: bool = True) -> Checkpoint:
     """Load a step directory, or the latest one if `path` is a checkpoint root.
+
+    Args:
+        path: a step directory or a checkpoint root.
+        models: load only these weights (None: all the manifest lists).
+        training_state: False skips the optimizer states and extras (they come back empty):
+            an export needs only the actor's weights, not gigabytes of AdamW moments.
 
     Raises:
         FileNotFoundError: no checkpoint there, or a file the manifest lists is missing.
@@ -189,11 +196,18 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     def torch_load(p: Path) -> Any:
         return torch.load(p, map_location="cpu", weights_only=False)
 
+    wanted = manifest["weights"] if models is None else list(models)
+    unknown = sorted(set(wanted) - set(manifest["weights"]))
+    if unknown:
+        raise FileNotFoundError(f"{path} holds no weights named {', '.join(unknown)}; it has "
+                                f"{', '.join(manifest['weights']) or 'none'}")
     weights = {m: _read(path / f"{m}.safetensors", lambda p: load_file(str(p), device="cpu"))
-               for m in manifest["weights"]}
-    optimizers = {o: _read(path / f"{o}.optim.pt", torch_load) for o in manifest["optimizers"]}
+               for m in wanted}
+    optimizers = ({o: _read(path / f"{o}.optim.pt", torch_load)
+                   for o in manifest["optimizers"]} if training_state else {})
     state = _read(path / "state.json", lambda p: json.loads(p.read_text()))
-    extra = _read(path / "extra.pt", torch_load) if manifest["extra"] else {}
+    extra = (_read(path / "extra.pt", torch_load)
+             if manifest["extra"] and training_state else {})
     return Checkpoint(path=path, step=int(manifest["step"]), weights=weights,
                       optimizers=optimizers, state=state, extra=extra)
 

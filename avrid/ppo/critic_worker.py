@@ -3,7 +3,8 @@
 The critic is the policy's trunk with a one-output head per token
 (`Qwen2ForTokenClassification`, num_labels=1): V(s_t), the expected score from the state
 before response token t. It is FSDP2-sharded over its own group like the actor and trained with
-the clipped value loss (`losses.value_loss`) on the GAE returns.
+the clipped value loss (`losses.value_loss`) on the GAE returns. Like the actor it keeps fp32
+parameters and AdamW state; `model.dtype=bfloat16` only sets the compute dtype (`fsdp.py`).
 
 It runs only for PPO (GRPO has no critic). By default its workers share the actor's bundles
 (colocated; on a GPU they would take turns); `placement.colocate_critic=False` gives it a pool
@@ -40,24 +41,26 @@ class CriticWorker(Worker):
               optimizer_state: dict | None = None) -> int:
         """Build (or restore) the critic and shard it; all ranks at once. Returns #params."""
         cfg, ident = self.config, self.identity
-        group = None
-        if ident.world_size > 1:
-            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
+        # `model.dtype` is the compute dtype; the trained weights are fp32 masters.
         dtype = getattr(torch, cfg.model.dtype)
+        group = None
+        # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
+        if ident.world_size > 1 or fsdp.mixed_precision(dtype):
+            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
         path = cfg.model.critic_path or cfg.model.path
         if path is None:
             # A different seed from the policy's: the two models should not start identical.
             model = build_tiny_critic(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed + 1,
-                                      dtype=dtype)
+                                      dtype=torch.float32)
         else:
-            model = load_critic(path, dtype=dtype)
+            model = load_critic(path, dtype=torch.float32)
         if weights is not None:
             model.load_state_dict(weights)
         count = sum(p.numel() for p in model.parameters())
         # eval(): dropout off. transformers' token classifier adds a 0.1 dropout before its
         # head; RL fine-tuning turns dropout off so a forward pass is a function of the weights.
         self.critic = fsdp.shard_model(model.to(self.device).eval(), group, ident.world_size,
-                                       self.device)
+                                       self.device, compute_dtype=dtype)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.train.critic_lr,
                                            weight_decay=cfg.train.weight_decay,
                                            betas=(0.9, 0.99))

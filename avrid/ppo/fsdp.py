@@ -10,9 +10,17 @@ used and freed in turn, so only one layer is ever whole (the point of FSDP).
 What this file adds around it:
 
 - `shard_model`: wrap a model over the worker's process group (a 1-rank group is left as a
-  plain module: there is nothing to shard, and the in-process backend has no device mesh);
+  plain module: there is nothing to shard, and the in-process backend has no device mesh) —
+  except for low-precision training, below;
+- `mixed_precision` / `cast_parameters`: bf16 training keeps fp32 master weights. Parameters
+  and AdamW state stay fp32 (in a bf16 parameter most lr=1e-6 updates round to nothing: ~95%
+  of one step's on the tiny model, tests/test_ppo_bf16.py); FSDP2's `MixedPrecisionPolicy`
+  casts each layer's gathered weights to bf16 for the forward/backward and reduces gradients
+  in fp32. The mechanism lives inside `fully_shard`, so a bf16 run shards even one rank (over
+  a 1-rank group). Models that are never trained (the rollout engine, the frozen reference)
+  simply hold bf16 parameters (`cast_parameters`);
 - `local_shards` / `full_state_dict`: a rank's own shards (what chapter 4's weight sync sends)
-  and the whole weights (what a checkpoint stores);
+  and the whole weights (what a checkpoint stores) — always the fp32 masters;
 - `optimizer_state` / `load_optimizer_state`: AdamW state as plain tensors (picklable, saved
   per rank) and back into DTensors shaped like the parameters.
 
@@ -34,32 +42,83 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def mixed_precision(dtype: torch.dtype) -> bool:
+    """Whether training in `dtype` needs fp32 master weights and FSDP2's mixed precision."""
+    return dtype != torch.float32
+
+
 def shard_model(model: torch.nn.Module, group: ProcessGroup | None, world_size: int,
-                device: str) -> torch.nn.Module:
-    """Apply FSDP2 to each decoder layer and the root over `group`; a no-op for one rank."""
-    if world_size == 1 or group is None:
+                device: str, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Apply FSDP2 to each decoder layer and the root over `group`.
+
+    `model` holds fp32 parameters; with a lower `compute_dtype` (bf16) the forward/backward
+    runs in it and gradients are reduced in fp32, while parameters and optimizer state stay
+    fp32. That needs `fully_shard` even for one rank, so `group` is then required. An fp32
+    model on one rank is returned as it is (nothing to shard).
+    """
+    low = mixed_precision(compute_dtype)
+    if not low and (world_size == 1 or group is None):
         return model
+    if group is None:
+        raise ValueError(f"training in {compute_dtype} uses FSDP2's mixed precision, which "
+                         f"needs a process group (a 1-rank one for one rank)")
+    if low and (bad := sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})):
+        raise ValueError(f"mixed precision keeps fp32 master weights; the model holds {bad}")
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type=device)
+    # fp32 passes no policy at all (not an all-None one): plain FSDP2, no casts anywhere.
+    kwargs = ({"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                                 reduce_dtype=torch.float32)} if low else {})
     # transformers decoders keep their blocks in `model.model.layers` (Qwen2, Llama, ...).
     trunk = getattr(model, "model", None)
     for layer in getattr(trunk, "layers", []):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s parameters (not its buffers) to `dtype` in place; returns the model.
+
+    Buffers keep their dtype as they do under `MixedPrecisionPolicy`, which casts only
+    parameters: e.g. the rotary `inv_freq` stays fp32, so a bf16 engine or reference computes
+    the same function as the bf16 actor. Tied parameters are one object, cast once.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
+
+
+def _resharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every FSDP unit holding its sharded (master) parameters.
+
+    FSDP2 does not reshard the root after a forward (backward would gather it again at once),
+    so after a no-grad forward the root's parameters are the gathered ones — whole, and in
+    the compute dtype under mixed precision. Reading state then would see those instead of
+    the fp32 shards; resharding first is a no-op when nothing is gathered.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     return model
 
 
 def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's piece of every parameter (the whole tensor when not sharded)."""
     return {name: (p.to_local() if _is_dtensor(p) else p).detach()
-            for name, p in model.named_parameters()}
+            for name, p in _resharded(model).named_parameters()}
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, on every rank (an all-gather per sharded parameter), on CPU."""
     out = {}
+    model = _resharded(model)
     for name, p in model.named_parameters():
         full = p.full_tensor() if _is_dtensor(p) else p
         out[name] = full.detach().to("cpu", copy=True)

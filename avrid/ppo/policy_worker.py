@@ -5,10 +5,14 @@ data-parallel rank, so their weights never cross a process boundary except insid
 group, and the GPU (on CUDA) is shared by taking turns — the engine sleeps while the actor
 trains. Per rank:
 
-- the actor: the trained policy, FSDP2-sharded over the group (`fsdp.py`), with AdamW;
-- the reference: a frozen copy of the initial policy, built only when a KL term is used;
-- the rollout engine: a full, unsharded copy that generates (`rollout.TorchEngine` or
-  `vllm_engine.VllmEngine`), refreshed from the actor by `sync_weights` (chapter 4).
+- the actor: the trained policy, FSDP2-sharded over the group (`fsdp.py`), with AdamW; its
+  parameters and optimizer state are always fp32 (with `model.dtype=bfloat16` it computes in
+  bf16 through FSDP2's mixed precision, over a 1-rank group when dp = 1);
+- the reference: a frozen copy of the initial policy, built only when a KL term is used, held
+  in `model.dtype` (it is never updated, so it needs no fp32 master copy);
+- the rollout engine: a full, unsharded copy in `model.dtype` that generates
+  (`rollout.TorchEngine` or `vllm_engine.VllmEngine`), refreshed from the actor by
+  `sync_weights` (chapter 4), which casts the fp32 shards to the engine's dtype.
 
 Every data method takes a `Shard` and returns a chapter 3 `WorkerResult`, so the driver
 dispatches with `run_shards` and merges without caring how the rank walked its shard.
@@ -31,7 +35,7 @@ from avrid.ppo.losses import kl_estimate, policy_loss
 from avrid.ppo.models import TinyModelSpec, build_tiny_policy, load_policy
 from avrid.ppo.rollout import SamplingParams, TorchEngine
 from avrid.ppo.weight_sync import WeightSync
-from avrid.reshard.engines import TorchEngineSink, VllmSink
+from avrid.reshard.engines import TorchEngineSink
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import Worker, WorkerIdentity
 
@@ -48,9 +52,15 @@ class PolicyWorker(Worker):
     """One data-parallel rank of the policy: actor + reference + rollout engine."""
 
     def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
-                 eos_id: int, pad_id: int) -> None:
+                 eos_id: int, pad_id: int, stop_ids: tuple[int, ...] = (),
+                 max_response_tokens: int) -> None:
         super().__init__(identity)
         self.config, self.vocab_size, self.eos_id, self.pad_id = config, vocab_size, eos_id, pad_id
+        # Every id that ends a response (a chat model's generation config may list several).
+        self.stop_ids = tuple(dict.fromkeys((eos_id, *stop_ids)))
+        # The one response budget: the engine's context (prompt cap + this) is sized from it.
+        self.max_response = max_response_tokens
+        self._engine_dir: str | None = None
         self.device = config.placement.device
         torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
 
@@ -59,16 +69,18 @@ class PolicyWorker(Worker):
         """Build (or restore) the models, shard the actor, make the engine; all ranks at once.
         Returns the number of actor parameters."""
         cfg, ident = self.config, self.identity
-        group = None
-        if ident.world_size > 1:
-            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
+        # `model.dtype` is the compute (and engine) dtype; the trained weights are fp32 masters.
         dtype = getattr(torch, cfg.model.dtype)
+        group = None
+        # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
+        if ident.world_size > 1 or fsdp.mixed_precision(dtype):
+            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
         if cfg.model.path is None:  # every rank builds the same weights from the same seed
             model = build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                                      dtype=dtype)
+                                      dtype=torch.float32)
         else:
-            model = load_policy(cfg.model.path, dtype=dtype)
+            model = load_policy(cfg.model.path, dtype=torch.float32)
         if weights is not None:  # resuming: the checkpoint's full weights
             model.load_state_dict(weights, strict=False)
         model.to(self.device)
@@ -78,37 +90,65 @@ class PolicyWorker(Worker):
         shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                   for n, p in model.named_parameters()}
         # eval(): dropout off, so the old-logp pass and the update see the same function.
-        self.actor = fsdp.shard_model(model.eval(), group, ident.world_size, self.device)
+        self.actor = fsdp.shard_model(model.eval(), group, ident.world_size, self.device,
+                                      compute_dtype=dtype)
         self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.train.actor_lr,
                                            weight_decay=cfg.train.weight_decay,
                                            betas=(0.9, 0.99))
         if optimizer_state is not None:
             fsdp.load_optimizer_state(self.optimizer, optimizer_state)
         self.sync = WeightSync(fsdp.local_shards(self.actor), shapes, rank=ident.rank,
-                               world_size=ident.world_size)
+                               world_size=ident.world_size, engine_dtype=dtype)
+        # Before any generation the engine must hold exactly the actor's weights (a resumed
+        # run's included; vLLM starts from random ones): one fingerprint-checked sync now.
+        self.sync_weights()
         return sum(p.numel() for p in model.parameters())
 
     def _initial_policy(self, dtype: torch.dtype) -> torch.nn.Module:
         cfg = self.config
+        # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
         if cfg.model.path is None:
             model = build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
                                       eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                                      dtype=dtype)
+                                      dtype=torch.float32)
         else:
-            model = load_policy(cfg.model.path, dtype=dtype)
+            model = load_policy(cfg.model.path, dtype=torch.float32)
+        model = fsdp.cast_parameters(model, dtype)
         return model.to(self.device).eval().requires_grad_(False)
+
+    def _engine_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The rollout engine's own copy of the (fp32) actor model, its parameters in the
+        engine's dtype (`model.dtype`); fp32 leaves the copy as it is."""
+        return fsdp.cast_parameters(copy.deepcopy(model), getattr(torch, self.config.model.dtype))
 
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
         if self.config.rollout.engine == "vllm":
-            from avrid.ppo.vllm_engine import VllmEngine
-
-            cfg = self.config
-            return VllmEngine(cfg.model.path, gpu_memory_utilization=
-                              cfg.rollout.gpu_memory_utilization, seed=cfg.train.seed,
-                              dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_prompt_tokens
-                              + (cfg.rollout.max_response_tokens or 512))
+            return self._make_vllm_engine(model)
         # The engine gets its own, unsharded copy: FSDP will shard the actor's in place.
-        return TorchEngine(copy.deepcopy(model).eval(), pad_token_id=self.pad_id)
+        return TorchEngine(self._engine_copy(model).eval(), pad_token_id=self.pad_id)
+
+    def _make_vllm_engine(self, model: torch.nn.Module):  # noqa: ANN202 (VllmEngine)
+        """vLLM built from the model's config alone (``load_format="dummy"``: random weights):
+        `setup` loads the actor's weights into it before anything is generated, so a fresh
+        run, a resumed run and a checkpoint path all start from the weights being trained."""
+        import tempfile
+
+        from avrid.ppo.vllm_engine import VllmEngine
+
+        cfg = self.config
+        max_model_len = cfg.rollout.max_prompt_tokens + self.max_response
+        hf_config = copy.deepcopy(model.config)
+        # vLLM refuses a context longer than the declared maximum; this RoPE has no
+        # length-dependent scaling, so raising the declared maximum changes no number.
+        hf_config.max_position_embeddings = max(hf_config.max_position_embeddings,
+                                                max_model_len)
+        self._engine_dir = tempfile.mkdtemp(prefix=f"avrid-vllm-{self.identity.rank}-")
+        hf_config.save_pretrained(self._engine_dir)
+        mib = cfg.rollout.vllm_kv_cache_mib
+        return VllmEngine(self._engine_dir, load_format="dummy", dtype=cfg.model.dtype,
+                          seed=cfg.train.seed, max_model_len=max_model_len,
+                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                          kv_cache_bytes=None if mib is None else mib << 20)
 
     # ---- rollout ---------------------------------------------------------------------------
 
@@ -116,6 +156,9 @@ class PolicyWorker(Worker):
                  seed: int) -> WorkerResult:
         """Sample one response per prompt of the shard (the rows' "tokens" are prompts).
         Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs)."""
+        if max_new_tokens > self.max_response:  # the engine's context was sized for that
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response "
+                             f"budget of {self.max_response} tokens")
         builder = ResultBuilder.for_shard(self.identity, shard)
         batch = shard.batch
         prompts = [batch.packed["tokens"].row(i).tolist() for i in range(len(batch))]
@@ -123,7 +166,7 @@ class PolicyWorker(Worker):
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy,
                                 temperature=1.0 if greedy else r.temperature,
                                 top_k=0 if greedy else r.top_k,
-                                stop_token_ids=(self.eos_id,),
+                                stop_token_ids=self.stop_ids,
                                 seed=seed + self.identity.rank)  # one stream per rank
         with builder.span("generate"):
             self.engine.wake()
@@ -200,7 +243,7 @@ class PolicyWorker(Worker):
     def sync_weights(self) -> dict[str, float]:
         """Actor shards -> this rank's engine (chapter 4), fingerprint-checked."""
         self.engine.wake()
-        sink = (VllmSink(self.engine.llm) if self.config.rollout.engine == "vllm"
+        sink = (self.engine.sink if self.config.rollout.engine == "vllm"
                 else TorchEngineSink(self.engine.model))
         group = self.process_group if self.identity.world_size > 1 else None
         report = self.sync.run(fsdp.local_shards(self.actor), sink, group, self.device)
@@ -213,6 +256,24 @@ class PolicyWorker(Worker):
         return {"weights": full if self.identity.rank == 0 else None,
                 "optimizer": fsdp.optimizer_state(self.optimizer)}
 
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the torch rollout engine's parameters and buffers (for checks: what
+        generation actually uses, in its own dtype)."""
+        if self.config.rollout.engine != "torch":
+            raise RuntimeError("engine_weights reads the torch engine; this run uses "
+                               f"{self.config.rollout.engine!r}")
+        return {n: t.detach().to("cpu", copy=True)
+                for n, t in self.engine.model.state_dict().items()}
+
     def close(self) -> None:
-        """Leave the process group (all ranks at once)."""
-        self.destroy_distributed()
+        """Stop the rollout engine and leave the process group (all ranks at once)."""
+        import shutil
+
+        try:
+            close_engine = getattr(getattr(self, "engine", None), "close", None)
+            if callable(close_engine):
+                close_engine()
+        finally:
+            if self._engine_dir is not None:
+                shutil.rmtree(self._engine_dir, ignore_errors=True)
+            self.destroy_distributed()

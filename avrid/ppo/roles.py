@@ -26,8 +26,10 @@ REWARD_CPU_SHARE = 0.1
 """CPU slots the reward worker reserves inside the first policy bundle."""
 
 
-def build_placement(config: PPOConfig, tokenizer: Tokenizer) -> PlacementPlan:
-    """The pools and role specs of this run (validated by chapter 1's `plan_placement`)."""
+def build_placement(config: PPOConfig, tokenizer: Tokenizer, *,
+                    max_response_tokens: int) -> PlacementPlan:
+    """The pools and role specs of this run (validated by chapter 1's `plan_placement`).
+    `max_response_tokens` is the run's one response budget (the trainer resolves it)."""
     p = config.placement
     gpus = 1.0 if p.device == "cuda" else 0.0
     share = 2 if config.algo.uses_critic and p.colocate_critic else 1
@@ -40,7 +42,9 @@ def build_placement(config: PPOConfig, tokenizer: Tokenizer) -> PlacementPlan:
     roles = [RoleSpec(role="policy", worker=PolicyWorker, mesh=Mesh.of(dp=p.actor_dp),
                       pool="policy", cpus=cpus,
                       gpus=gpus / share,
-                      init_kwargs={"config": config, "eos_id": tokenizer.eos_token_id, **tok})]
+                      init_kwargs={"config": config, "eos_id": tokenizer.eos_token_id,
+                                   "stop_ids": tuple(tokenizer.stop_token_ids),
+                                   "max_response_tokens": max_response_tokens, **tok})]
     if config.algo.uses_critic:
         critic_pool = "policy"
         if not p.colocate_critic:

@@ -3,7 +3,8 @@
 `train(config)` is what ``avrid ppo`` calls. Per step it calls `Trainer.train_step`, then
 writes one JSON line of metrics (``metrics.jsonl``), a few rollout samples
 (``samples.jsonl``) and, on schedule, a validation and an atomic checkpoint. At the end it
-draws the reward curve, the per-phase times and the chapter 3 timeline of the last step.
+draws the reward curve, the per-phase times and the chapter 3 timeline of the last step, and
+exports the final policy in Hugging Face format (`export.py`).
 
 Output directory (``train.out_dir``)::
 
@@ -11,6 +12,9 @@ Output directory (``train.out_dir``)::
     samples.jsonl        prompt, response, reward of a few rollouts per step
     checkpoints/         step_000050/ {actor,critic}.safetensors, *.optim.pt, state.json
     reward.png phases.png timeline.png timeline.json
+    export/              the final policy: config.json, model.safetensors, generation_config.json
+                         and the tokenizer (see export.py); loads with from_pretrained, serves
+                         with vLLM
 
 Resume (``train.resume=true``) loads the latest checkpoint, refuses a config that changes
 anything but the schedule, drops metric lines after the checkpoint and continues; since every
@@ -30,6 +34,7 @@ import torch
 from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from avrid.ppo.config import PPOConfig
 from avrid.ppo.critic_worker import CriticWorker
+from avrid.ppo.export import export_checkpoint, tokenizer_record
 from avrid.ppo.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
 from avrid.ppo.plots import write_plots
 from avrid.ppo.policy_worker import PolicyWorker
@@ -104,6 +109,9 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> Run
                 log(format_step(done, metrics))
         rows = read_metrics(out / "metrics.jsonl")
         write_plots(rows, out, timeline=trainer.timeline)
+    # After the workers are gone: reads the last checkpoint's actor weights back (page cache)
+    # and writes one safetensors file; replaces the export of an earlier, resumed run.
+    export_checkpoint(ckpt_root, out / "export", overwrite=True)
     vals = [r["val/reward"] for r in rows if r.get("val/reward") is not None]
     return RunSummary(out_dir=out, rows=rows, initial_val_reward=vals[0] if vals else float("nan"),
                       final_val_reward=vals[-1] if vals else float("nan"),
@@ -125,7 +133,7 @@ def save(trainer: Trainer, root: Path, step: int) -> Path:
     # the data position; the driver's torch RNG is saved too for code that draws from it.
     state = {"step": step, "data_position": step * cfg.train.prompts_per_step,
              "rng": {"seed": cfg.train.seed, "derived_from": "(seed, step)"},
-             "config": config_dict(cfg)}
+             "config": config_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
     return save_checkpoint(root, step, weights=weights, optimizers=optimizers, state=state,
                            extra={"torch_rng": torch.get_rng_state()},
                            keep_last=cfg.train.keep_checkpoints)

@@ -43,6 +43,11 @@ class Tokenizer(Protocol):
         ...
 
     @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a response, `eos_token_id` first (chat models list several)."""
+        ...
+
+    @property
     def pad_token_id(self) -> int:
         """The id that fills ragged batches; never the target of a loss."""
         ...
@@ -91,6 +96,10 @@ class CharTokenizer:
     @property
     def eos_token_id(self) -> int:
         return EOS_ID
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (EOS_ID,)
 
     @property
     def pad_token_id(self) -> int:
@@ -174,6 +183,21 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int:
         return int(self._tok.eos_token_id)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS, then every EOS id of the model's generation config next to it
+        (Qwen2.5-Instruct ends a turn with <|im_end|> but lists <|endoftext|> too): a rollout
+        that stopped at the tokenizer's EOS alone would run past a finished answer."""
+        ids = [self.eos_token_id]
+        gen = os.path.join(self.path, "generation_config.json")
+        if os.path.isfile(gen):
+            import json
+
+            with open(gen, encoding="utf-8") as f:
+                listed = json.load(f).get("eos_token_id")
+            ids += listed if isinstance(listed, list) else [] if listed is None else [listed]
+        return tuple(dict.fromkeys(int(i) for i in ids))
 
     @property
     def pad_token_id(self) -> int:

@@ -50,7 +50,7 @@ from avrid.ppo.roles import build_placement
 from avrid.ppo.tasks import Task, load_task
 from avrid.ppo.tokenizer import Tokenizer, load_tokenizer
 from avrid.results import Merged, Span, Timeline, run_shards
-from avrid.workers import Cluster, InProcessBackend
+from avrid.workers import Cluster, InProcessBackend, PlacementPlan
 
 
 class Trainer:
@@ -85,9 +85,13 @@ class Trainer:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def placement(self) -> PlacementPlan:
+        """Where each role runs (`roles.build_placement` with this run's response budget)."""
+        return build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
+
     def start(self, weights: dict | None = None, optimizers: dict | None = None) -> None:
         """Start the workers and build (or restore, from a checkpoint's pieces) the models."""
-        plan = build_placement(self.config, self.tokenizer)
+        plan = self.placement()
         if self.config.placement.backend == "ray":
             from avrid.workers import RayBackend, start_ray
 

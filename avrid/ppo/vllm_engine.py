@@ -99,6 +99,9 @@ class VllmEngine:
                                "first (vLLM's parallel state is process-global)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM logs every engine's full config at INFO; inside each PPO worker that drowns
+        # the run's own output. Warnings and errors still show (VLLM_LOGGING_LEVEL overrides).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
         from vllm.platforms import current_platform
 

@@ -9,6 +9,12 @@ the checksums of every rank's shards are gathered and added up, which gives the 
 tensors' checksums, and compared with what each engine now holds, so a stale or
 half-loaded engine stops the run.
 
+The engine may hold a lower precision than the trainer: bf16 training keeps fp32 master
+weights (`fsdp.py`) while the engine generates in bf16. Each rank casts its fp32 shards to the
+engine's dtype BEFORE the transfer (half the bytes on the wire), and the fingerprint is taken
+of the cast shards: the cast is per element, so the cast shards' checksums still add up to the
+checksum of the cast whole tensor — exactly what a correctly loaded engine holds.
+
 This file runs inside a policy worker. It does not know about PPO; the worker calls it.
 """
 
@@ -50,8 +56,13 @@ class WeightSync:
     """FSDP shards of the actor -> full weights in this rank's rollout engine, checked."""
 
     def __init__(self, shards: dict[str, torch.Tensor], shapes: dict[str, tuple[tuple[int, ...],
-                 str]], *, rank: int, world_size: int) -> None:
+                 str]], *, rank: int, world_size: int, engine_dtype: torch.dtype) -> None:
+        """`shapes`: name -> (shape, trainer dtype) of every actor parameter; `engine_dtype`:
+        what the engine holds, which the shards are cast to before they move."""
         self.rank = rank
+        self.engine_dtype = engine_dtype
+        # Both layouts are in the engine's dtype: the cast happens on the source rank.
+        shapes = {n: (s, engine_dtype) for n, (s, _) in shapes.items()}
         self.source = ModelLayout.fsdp(shapes, world_size)
         self.target = ModelLayout(world_size=world_size, params=tuple(
             (n, ParamLayout.replicated(s, d, world_size)) for n, (s, d) in shapes.items()))
@@ -68,11 +79,13 @@ class WeightSync:
             group: dist.ProcessGroup | None, device: str = "cpu") -> SyncReport:
         """Move, load and verify; every rank of the group must call it at once."""
         start = time.perf_counter()
+        # A no-op (the same tensors) when the dtypes already agree, e.g. fp32 training.
+        shards = {n: t.to(self.engine_dtype) for n, t in shards.items()}
         full = execute(self.plan, self.rank, shards, group=group, device=device)
         sink.load(full)
         sink.finish()
-        # The fingerprint check: the checksums of the source shards, added over all ranks,
-        # are the whole tensors' checksums; each engine must hold exactly those.
+        # The fingerprint check: the checksums of the (cast) source shards, added over all
+        # ranks, are the whole (cast) tensors' checksums; each engine must hold exactly those.
         parts: list[dict[str, int]] = [layout_checksums(self.source, self.rank, shards)]
         if group is not None and dist.get_world_size(group) > 1:
             mine = parts[0]

@@ -241,7 +241,7 @@ class AvridWorkerExtension:
         """This worker's parameters by vLLM name, as its kernels see them (see the class)."""
         model = self.model_runner.model
         modules = dict(model.named_modules())
-        return {name: _held_tensor(modules[name.rpartition(".")[0]], p)
+        return {name: _held_tensor(modules.get(name.rpartition(".")[0]), p)
                 for name, p in model.named_parameters() if names is None or name in names}
 
     def avrid_load_full(self, tensors: dict[str, torch.Tensor]) -> int:
@@ -276,7 +276,9 @@ class AvridWorkerExtension:
             for name, view in views.items():
                 view.copy_(tensors[name])
             for fused in fused_names:  # CPU: vLLM packs its kernels' copy again
-                module = modules[fused.rpartition(".")[0]]
+                module = modules.get(fused.rpartition(".")[0])
+                if module is None:
+                    continue
                 if _is_packed(module, params[fused]):  # the patched copy is the weight now
                     module.weight = torch.nn.Parameter(held[fused], requires_grad=False)
                 if _has_kernel(module):
@@ -301,13 +303,13 @@ def _is_packed(module: torch.nn.Module, param: torch.Tensor) -> bool:
     return param.numel() == 0 and _has_kernel(module)
 
 
-def _has_kernel(module: torch.nn.Module) -> bool:
+def _has_kernel(module: torch.nn.Module | None) -> bool:
     """A vLLM CPU layer whose matmul runs a packed copy of its weight (linear layers, and the
     vocab embedding / LM head, which keep their parameter as well)."""
     return callable(getattr(module, "cpu_linear", None))
 
 
-def _held_tensor(module: torch.nn.Module, param: torch.Tensor) -> torch.Tensor:
+def _held_tensor(module: torch.nn.Module | None, param: torch.Tensor) -> torch.Tensor:
     """What the engine computes with: `param` itself, or where vLLM packed it for a CPU
     kernel, the kernel's copy read back as (out, in) = linear(I_in)^T, the identity in chunks
     of rows. Where a layer keeps both (LM head), the two must agree; a packed copy that

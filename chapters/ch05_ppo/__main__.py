@@ -27,7 +27,6 @@ from pathlib import Path
 from avrid.ppo.config import PPOConfig, with_overrides
 from avrid.ppo.plots import PHASES
 from avrid.ppo.presets import preset
-from avrid.ppo.roles import build_placement
 from avrid.ppo.run import save
 from avrid.ppo.trainer import Trainer
 from avrid.results import Timeline
@@ -96,7 +95,7 @@ def main() -> int:
         with Trainer(config) as trainer:
             print(f"\n== 2. placement: actor_dp={p.actor_dp}, critic_dp={p.critic_dp}, "
                   f"backend {p.backend} ==")
-            for line in build_placement(config, trainer.tokenizer).describe().splitlines():
+            for line in trainer.placement().describe().splitlines():
                 print("  " + line)
             t0 = time.perf_counter()
             trainer.start()  # Ray, the workers, their process groups, the models

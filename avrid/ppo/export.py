@@ -1,0 +1,302 @@
+"""Chapter 5 — exporting the trained policy in Hugging Face format, to load and to serve.
+
+A checkpoint (`checkpoint.py`) is for resuming: optimizer moments, RNG state, our own layout.
+An export is for using the policy: a directory that ``transformers`` and vLLM read as they
+read any model on the Hub::
+
+    dest/
+      config.json              the architecture, ``dtype``/``torch_dtype`` = the run's model.dtype
+      model.safetensors        the actor's weights in that dtype (a tied LM head written once)
+      generation_config.json   eos_token_id (every stop id of the run) and pad_token_id
+      tokenizer files          only for a Hugging Face tokenizer (saved from its local directory)
+      avrid_tokenizer.json     only for the char tokenizer: its alphabet and id -> token table
+
+Load it with ``AutoModelForCausalLM.from_pretrained(dest)``; serve it with
+``vllm.LLM(model=dest)``, or ``vllm.LLM(model=dest, skip_tokenizer_init=True)`` (token ids in
+and out) when there are no tokenizer files. The char tokenizer is not a Hugging Face tokenizer,
+so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and decode with
+``avrid.ppo.tokenizer.load_tokenizer("char:" + alphabet)``, or by its ``id_to_token`` table.
+
+Where the architecture comes from: a tiny model (``model.path`` unset) is rebuilt from the saved
+config (`policy_worker.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
+eos/pad ids; a pretrained one (``model.path``) keeps that checkpoint's own ``config.json``. The
+tokenizer is described by a `tokenizer_record`, which `run.save` puts in each checkpoint's
+state.json; for a checkpoint without one the tokenizer is rebuilt from the saved config.
+
+Writes are atomic, like checkpoints: everything goes into a hidden sibling ``.tmp-<dest>-*``
+directory first and is renamed into place at the end, so a failure leaves no half-written export.
+
+Not here: sharded safetensors (one file; fine for the models this project trains), the critic
+(only the policy is served), LoRA merging, uploading to the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+
+# The checkpoint's own fsync / rename helpers: one implementation of the atomic-write dance.
+from avrid.ppo.checkpoint import (
+    _fsync_dir,
+    _move_into_place,
+    _savable,
+    _write_file,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from avrid.ppo.config import PPOConfig
+from avrid.ppo.models import tiny_config
+from avrid.ppo.policy_worker import tiny_spec
+from avrid.ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+CHAR_TOKENIZER_FILE = "avrid_tokenizer.json"
+_CKPT_HELP = ("a run directory (holding checkpoints/; its latest checkpoint is used), a "
+              "checkpoint root (holding step_* directories) or a step directory (holding "
+              "manifest.json)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Exported:
+    """What `export_checkpoint` wrote."""
+
+    dest: Path
+    checkpoint: Path
+    """The step directory the weights came from."""
+    step: int
+    files: tuple[str, ...]
+    """File names in `dest`, sorted."""
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> dict[str, Any]:
+    """What an export needs to know about the run's tokenizer, as JSON (saved in state.json).
+
+    Example:
+        >>> tokenizer_record(CharTokenizer("ab"))["stop_token_ids"]
+        [1]
+    """
+    record: dict[str, Any] = {"vocab_size": int(tokenizer.vocab_size),
+                              "eos_token_id": int(tokenizer.eos_token_id),
+                              "pad_token_id": int(tokenizer.pad_token_id),
+                              # Every id the rollout stops at (`PolicyWorker.generate`).
+                              "stop_token_ids": [int(t) for t in tokenizer.stop_token_ids]}
+    if isinstance(tokenizer, CharTokenizer):
+        record.update(kind="char", alphabet=tokenizer.alphabet)
+    elif isinstance(tokenizer, HFTokenizer):
+        # Absolute: `avrid export` may run from another directory than the training did.
+        record.update(kind="hf", path=os.path.abspath(tokenizer.path))
+    else:  # a user's own tokenizer: the ids are exported, no vocabulary
+        record.update(kind=type(tokenizer).__name__)
+    return record
+
+
+def resolve_checkpoint(source: str | os.PathLike[str]) -> Path:
+    """The step directory `source` names: a run directory (its latest checkpoint), a
+    checkpoint root (its latest step) or a step directory.
+
+    Raises:
+        FileNotFoundError: `source` does not exist, or holds no complete checkpoint.
+        ValueError: `source` exists but is none of the accepted kinds.
+    """
+    src = Path(source)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist; expected {_CKPT_HELP}")
+    if (src / "manifest.json").is_file():
+        return src
+    for root in (src / "checkpoints", src):
+        if root.is_dir() and (found := latest_checkpoint(root)) is not None:
+            return found
+    if (src / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{src / 'checkpoints'} holds no complete checkpoint yet")
+    raise ValueError(f"{src} is not a checkpoint: expected {_CKPT_HELP}")
+
+
+def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[str], *,
+                      overwrite: bool = False) -> Exported:
+    """Export the policy of a checkpoint (see `resolve_checkpoint`) to `dest`, atomically.
+
+    Raises:
+        FileExistsError: `dest` exists and is not empty, and `overwrite` is False.
+        FileNotFoundError / ValueError: `source` is not a checkpoint (the message says what is
+            accepted), or the tokenizer directory a pretrained run used is gone.
+    """
+    step_dir = resolve_checkpoint(source)
+    ckpt = load_checkpoint(step_dir, models=("actor",), training_state=False)
+    if "config" not in ckpt.state:
+        raise ValueError(f"{step_dir / 'state.json'} has no 'config': not written by "
+                         "`avrid ppo`, so the model's architecture is unknown")
+    tokenizer = ckpt.state.get("tokenizer") or _rebuilt_tokenizer_record(ckpt.state["config"])
+    out = export_policy(dest, ckpt.weights["actor"], config=ckpt.state["config"],
+                        tokenizer=tokenizer, overwrite=overwrite)
+    return Exported(dest=out, checkpoint=step_dir, step=ckpt.step,
+                    files=tuple(sorted(p.name for p in out.iterdir())))
+
+
+def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], *,
+                  config: Mapping[str, Mapping[str, Any]], tokenizer: Mapping[str, Any],
+                  overwrite: bool = False) -> Path:
+    """Write `weights` (the actor's full state dict, HF names) as a Hugging Face model.
+
+    Args:
+        dest: the export directory; must not exist or be empty unless `overwrite`.
+        weights: parameter name -> tensor, as `PolicyWorker.state` gathers them.
+        config: the run's config as `run.config_dict` makes it (state.json's "config").
+        tokenizer: a `tokenizer_record`.
+        overwrite: replace a non-empty `dest` (the old one is removed only once the new one
+            is in place).
+
+    Returns:
+        `dest` as a Path.
+    """
+    dest = Path(dest)
+    _check_dest(dest, overwrite)
+    model = config["model"]
+    dtype = getattr(torch, model["dtype"])
+    hf_config = _hf_config(config, tokenizer)
+    tensors = _weights_for(hf_config, weights, dtype)
+    hf_config.dtype = dtype
+    text = hf_config.to_dict()
+    # Transformers 5 writes "dtype", 4.x (and older vLLM) read "torch_dtype": give both.
+    text["dtype"] = text["torch_dtype"] = model["dtype"]
+    eos = [int(i) for i in tokenizer["stop_token_ids"]]
+    gen = GenerationConfig(eos_token_id=eos, pad_token_id=int(tokenizer["pad_token_id"]),
+                           bos_token_id=getattr(hf_config, "bos_token_id", None))
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
+    try:
+        _write_file(tmp / "config.json",
+                    lambda p: p.write_text(json.dumps(text, indent=2, sort_keys=True) + "\n"))
+        _write_file(tmp / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
+                                                            metadata={"format": "pt"}))
+        _write_file(tmp / "generation_config.json", lambda p: gen.to_json_file(p))
+        _write_tokenizer(tmp, tokenizer)
+        # mkdtemp (and safetensors, for its file) make owner-only entries; a served model is
+        # often read by another user or container.
+        for p in tmp.iterdir():
+            os.chmod(p, 0o644)
+        os.chmod(tmp, 0o755)
+        _fsync_dir(tmp)
+        _move_into_place(tmp, dest)
+        _fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _check_dest(dest: Path, overwrite: bool) -> None:
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(f"export destination {dest} exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise FileExistsError(f"export destination {dest} exists and is not empty; choose a "
+                              "new directory or pass overwrite (--overwrite) to replace it")
+
+
+def _hf_config(config: Mapping[str, Mapping[str, Any]],
+               tokenizer: Mapping[str, Any]) -> PretrainedConfig:
+    """The architecture: the pretrained checkpoint's own config, or the tiny model's."""
+    model = config["model"]
+    if model.get("path") is not None:
+        path = Path(model["path"])
+        if not path.is_dir():
+            raise FileNotFoundError(f"the run's model.path {str(path)!r} is gone; its "
+                                    "config.json describes the architecture (nothing is "
+                                    "downloaded)")
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    spec = tiny_spec(_ppo_config(config), int(tokenizer["vocab_size"]))
+    return tiny_config(spec, eos_token_id=int(tokenizer["eos_token_id"]),
+                       pad_token_id=int(tokenizer["pad_token_id"]))
+
+
+def _weights_for(hf_config: PretrainedConfig, weights: Mapping[str, torch.Tensor],
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors to write, checked against the architecture (names and shapes), in `dtype`.
+
+    The model is built on the meta device (no memory, no init) only to list its tensors; a
+    tied alias (the LM head of a ``tie_word_embeddings`` model) is listed once, under the name
+    that comes first, so it is written once and transformers/vLLM re-tie it on load.
+    """
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_config)
+    hf_config.architectures = [type(meta).__name__]  # vLLM picks its model class by this
+    expected: dict[str, torch.Tensor] = {}
+    aliases: set[str] = set()
+    seen: set[int] = set()
+    for name, t in meta.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+            continue
+        seen.add(id(t))
+        expected[name] = t
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected) - aliases)
+    bad = [f"{n}: {tuple(weights[n].shape)} != {tuple(t.shape)}" for n, t in expected.items()
+           if n in weights and tuple(weights[n].shape) != tuple(t.shape)]
+    if missing or unexpected or bad:
+        raise ValueError(f"the checkpoint's actor weights do not fit {type(meta).__name__} "
+                         f"({hf_config.model_type}): missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}, wrong shapes {bad[:5]}")
+    return _savable({n: weights[n].to(dtype) if weights[n].is_floating_point() else weights[n]
+                     for n in expected})
+
+
+def _write_tokenizer(tmp: Path, tokenizer: Mapping[str, Any]) -> None:
+    kind = tokenizer.get("kind")
+    if kind == "char":
+        alphabet = tokenizer["alphabet"]
+        table = ["<pad>", "<eos>", *alphabet]  # CharTokenizer's ids: 0 pad, 1 eos, 2.. alphabet
+        doc = {"type": "avrid.ppo.tokenizer.CharTokenizer", "alphabet": alphabet,
+               "pad_token_id": tokenizer["pad_token_id"],
+               "eos_token_id": tokenizer["eos_token_id"], "id_to_token": table,
+               "load_with": f"avrid.ppo.tokenizer.load_tokenizer({'char:' + alphabet!r})"}
+        _write_file(tmp / CHAR_TOKENIZER_FILE,
+                    lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
+    elif kind == "hf":
+        path = Path(tokenizer["path"])
+        if not path.exists():
+            raise FileNotFoundError(f"the run's tokenizer directory {str(path)!r} is gone; "
+                                    "the export copies its files from there")
+        from transformers import AutoTokenizer  # heavy import: only for real tokenizers
+
+        # save_pretrained writes every file the tokenizer needs (vocab, merges, chat template).
+        AutoTokenizer.from_pretrained(str(path), local_files_only=True).save_pretrained(tmp)
+        for p in tmp.iterdir():
+            if p.is_file():
+                _write_file(p, lambda _: None)  # fsync what save_pretrained wrote
+
+
+def _rebuilt_tokenizer_record(config: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """For a checkpoint saved before state.json held a tokenizer record: rebuild the run's
+    tokenizer from its config (the char tokenizer needs the task, for its alphabet)."""
+    from avrid.ppo.tasks import load_task
+    from avrid.ppo.trainer import make_tokenizer
+
+    cfg = _ppo_config(config)
+    m, t = cfg.model, cfg.task
+    spec = m.tokenizer or ("char" if m.path is None else m.path)  # as make_tokenizer picks
+    if spec != "char":  # a local directory: no need to load the task (or its data file)
+        return tokenizer_record(load_tokenizer(spec, chat_template=m.chat_template))
+    task = load_task(t.name, **dict(t.options), **({"path": t.path} if t.path else {}))
+    return tokenizer_record(make_tokenizer(cfg, task))
+
+
+def _ppo_config(config: Mapping[str, Mapping[str, Any]]) -> PPOConfig:
+    """A `PPOConfig` back from `run.config_dict` output."""
+    hints = typing.get_type_hints(PPOConfig)
+    try:
+        return PPOConfig(**{name: hints[name](**values) for name, values in config.items()})
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"the checkpoint's config does not match this version of avrid "
+                         f"({e}); export it with the version that trained it") from e
