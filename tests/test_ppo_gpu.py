@@ -123,7 +123,7 @@ def gsm8k_run_config(model: Path, data: Path, out: Path, *extra: str) -> PPOConf
 @pytest.mark.parametrize("device", [
     pytest.param("cuda", marks=pytest.mark.gpu(count=1)),
     # The same preset and code path on vLLM's CPU build: bf16, chat template, KL, GRPO.
-    pytest.param("cpu", marks=pytest.mark.usefixtures("ray_cluster"))])
+    "cpu"])
 def test_gsm8k_grpo_with_vllm_on_a_tiny_model(tmp_path: Path, device: str) -> None:
     model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
     # Two directories: beside a Qwen2 config.json, transformers' AutoTokenizer picks the Qwen2
