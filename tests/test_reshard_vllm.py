@@ -50,6 +50,15 @@ def engine(path: Path, **kwargs: object):  # noqa: ANN201 (VllmEngine)
     return VllmEngine(str(path), max_model_len=256, seed=0, dtype="float32", **kwargs)
 
 
+def fresh_greedy(path: Path) -> list:
+    """Greedy completions of PROMPTS from a new TP=1 engine on the checkpoint at `path`."""
+    eng = engine(path)
+    try:
+        return eng.generate(PROMPTS, GREEDY)
+    finally:
+        eng.close()
+
+
 def whole(weights: dict[str, torch.Tensor]) -> ModelLayout:
     """One rank holding every tensor whole: the layout of an engine without TP."""
     return ModelLayout.fsdp({n: (tuple(t.shape), t.dtype) for n, t in weights.items()}, 1)
@@ -70,11 +79,7 @@ def test_full_load_switches_a_to_b_like_a_fresh_engine(tmp_path: Path) -> None:
         switched = eng.generate(PROMPTS, GREEDY)
     finally:
         eng.close()
-    fresh = engine(tmp_path / "b")
-    try:
-        want = fresh.generate(PROMPTS, GREEDY)
-    finally:
-        fresh.close()
+    want = fresh_greedy(tmp_path / "b")
     assert tokens(switched) != before
     assert tokens(switched) == tokens(want)
     for got, ref in zip(switched, want, strict=True):  # same weights, same kernels
@@ -130,11 +135,7 @@ def test_slices_into_a_tp2_engine_match_a_tp1_engine(tmp_path: Path) -> None:
         sliced = tp2.generate(PROMPTS, GREEDY)
     finally:
         tp2.close()
-    tp1 = engine(tmp_path / "a")
-    try:
-        want = tp1.generate(PROMPTS, GREEDY)
-    finally:
-        tp1.close()
+    want = fresh_greedy(tmp_path / "a")  # a TP=1 engine reading the full checkpoint
     assert tokens(sliced) != random_weights
     assert tokens(sliced) == tokens(want)
     for got, ref in zip(sliced, want, strict=True):  # TP all-reduces: summation order only
