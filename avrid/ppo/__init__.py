@@ -8,7 +8,7 @@ Read in this order:
 1. the math, pure functions:   logprobs.py, advantages.py, losses.py
 2. what a run is made of:      config.py (typed, validated once), presets.py,
                                tasks.py + gsm8k.py (prompts and rewards), tokenizer.py
-3. models and generation:      models.py, rollout.py (TorchEngine), vllm_engine.py (GPU)
+3. models and generation:      models.py, rollout.py (TorchEngine), vllm_engine.py (vLLM)
 4. inside the workers:         batching.py, actor.py, fsdp.py, weight_sync.py,
                                policy_worker.py (actor + reference + rollout), critic_worker.py,
                                reward_worker.py
