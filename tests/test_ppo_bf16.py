@@ -24,6 +24,7 @@ from avrid.ppo.presets import preset
 from avrid.ppo.run import train
 from avrid.ppo.trainer import Trainer
 from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, Worker, plan_placement
+from tests.test_ppo_trainer import algorithmic
 
 SPEC = TinyModelSpec(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=4)
@@ -37,12 +38,6 @@ def tiny(out: Path, *extra: str, dtype: str = "bfloat16",
         "placement.critic_dp=1", "train.steps=3", "train.prompts_per_step=8",
         "algo.responses_per_prompt=4", "train.mini_batch_size=32", "train.val_prompts=8",
         "train.val_every=1000", "train.progress=false", f"train.out_dir={out}", *extra])
-
-
-def algorithmic(rows: list[dict]) -> list[dict]:
-    """Rows without the keys that measure the machine (time, throughput, sync bytes)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "sync/"))}
-            for r in rows]
 
 
 def changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

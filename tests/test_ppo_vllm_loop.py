@@ -18,10 +18,9 @@ import pytest
 from avrid.ppo.config import PPOConfig, with_overrides
 from avrid.ppo.presets import preset
 from avrid.ppo.run import train
+from tests.test_ppo_trainer import algorithmic
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]
-
-MACHINE = ("time/", "perf/", "sync/")
 
 
 def tiny_vllm(out: Path, *extra: str) -> PPOConfig:
@@ -29,10 +28,6 @@ def tiny_vllm(out: Path, *extra: str) -> PPOConfig:
         "train.steps=3", "train.prompts_per_step=8", "algo.responses_per_prompt=4",
         "train.mini_batch_size=16", "train.val_prompts=16", "train.val_every=2",
         "train.progress=false", "train.checkpoint_every=1", f"train.out_dir={out}", *extra])
-
-
-def algorithmic(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(MACHINE)} for r in rows]
 
 
 def test_vllm_rollouts_match_the_trainer_and_sync_every_step(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ it back for a resume. A checkpoint directory looks like this::
 Why the care: a run killed while saving must still resume from the previous step. So every
 file goes into a hidden ``.tmp-step_000012-*`` directory first, is fsynced, and only then is
 the directory renamed into place (one atomic rename) and `latest` replaced (one atomic
-replace). A failure midway removes the temporary directory and changes nothing else.
+replace). A failure midway removes the temporary directory and changes nothing else. The
+steps are public (`write_file`, `fsync_dir`, `move_into_place`, `savable`) because the HF
+export (`export.py`) publishes its directory the same way.
 
 This file does not gather state from workers, shard or reshard anything, or import Ray. The
 ``.pt`` files are pickles: load only checkpoints you wrote yourself.
@@ -125,26 +127,26 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
     try:
         for model, sd in weights.items():
-            _write_file(tmp / f"{model}.safetensors",
-                        lambda p, sd=sd: save_file(_savable(sd), str(p)))
+            write_file(tmp / f"{model}.safetensors",
+                        lambda p, sd=sd: save_file(savable(sd), str(p)))
         for opt, obj in optimizers.items():
-            _write_file(tmp / f"{opt}.optim.pt", lambda p, obj=obj: torch.save(obj, p))
+            write_file(tmp / f"{opt}.optim.pt", lambda p, obj=obj: torch.save(obj, p))
         # allow_nan=False: NaN is not JSON; fail here, before anything is in place.
         state_text = json.dumps(dict(state), indent=2, allow_nan=False)
-        _write_file(tmp / "state.json", lambda p: p.write_text(state_text))
+        write_file(tmp / "state.json", lambda p: p.write_text(state_text))
         if extra is not None:
-            _write_file(tmp / "extra.pt", lambda p: torch.save(dict(extra), p))
+            write_file(tmp / "extra.pt", lambda p: torch.save(dict(extra), p))
         manifest = {"format": FORMAT_VERSION, "step": step, "weights": sorted(weights),
                     "optimizers": sorted(optimizers), "extra": extra is not None}
-        _write_file(tmp / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
+        write_file(tmp / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
-        _fsync_dir(tmp)
-        _move_into_place(tmp, root / name)
+        fsync_dir(tmp)
+        move_into_place(tmp, root / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep_last is not None:
         _prune(root, step, keep_last)
     return root / name
@@ -212,7 +214,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, models: Collection[str] | N
                       optimizers=optimizers, state=state, extra=extra)
 
 
-def _savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A CPU, contiguous, storage-disjoint copy of a state dict for safetensors.
 
     safetensors refuses tensors that share memory (tied embedding and LM head, views of one
@@ -234,7 +236,7 @@ def _savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_file(path: Path, write: Callable[[Path], object]) -> None:
+def write_file(path: Path, write: Callable[[Path], object]) -> None:
     """Run `write(path)`, then fsync the file so the rename that follows publishes data that
     is on disk, not just in the page cache."""
     write(path)
@@ -245,7 +247,7 @@ def _write_file(path: Path, write: Callable[[Path], object]) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make renames inside `path` durable (POSIX); a no-op where directories cannot be
     opened (Windows)."""
     try:
@@ -260,7 +262,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
+def move_into_place(tmp: Path, final: Path) -> None:
     """Rename `tmp` to `final`. An existing `final` (the same step saved again after a
     resume) is first renamed aside and deleted only once the new one is in place; a crash
     in between leaves `latest` pointing at the old name, which then falls back to the

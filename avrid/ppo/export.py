@@ -46,14 +46,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-# The checkpoint's own fsync / rename helpers: one implementation of the atomic-write dance.
+# The atomic-write steps checkpoints use (fsync, rename into place): one implementation.
 from avrid.ppo.checkpoint import (
-    _fsync_dir,
-    _move_into_place,
-    _savable,
-    _write_file,
+    fsync_dir,
     latest_checkpoint,
     load_checkpoint,
+    move_into_place,
+    savable,
+    write_file,
 )
 from avrid.ppo.config import PPOConfig
 from avrid.ppo.models import tiny_config
@@ -176,20 +176,20 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
     try:
-        _write_file(tmp / "config.json",
+        write_file(tmp / "config.json",
                     lambda p: p.write_text(json.dumps(text, indent=2, sort_keys=True) + "\n"))
-        _write_file(tmp / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
+        write_file(tmp / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
                                                             metadata={"format": "pt"}))
-        _write_file(tmp / "generation_config.json", lambda p: gen.to_json_file(p))
+        write_file(tmp / "generation_config.json", lambda p: gen.to_json_file(p))
         _write_tokenizer(tmp, tokenizer)
         # mkdtemp (and safetensors, for its file) make owner-only entries; a served model is
         # often read by another user or container.
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
         os.chmod(tmp, 0o755)
-        _fsync_dir(tmp)
-        _move_into_place(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(tmp)
+        move_into_place(tmp, dest)
+        fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -248,7 +248,7 @@ def _weights_for(hf_config: PretrainedConfig, weights: Mapping[str, torch.Tensor
         raise ValueError(f"the checkpoint's actor weights do not fit {type(meta).__name__} "
                          f"({hf_config.model_type}): missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}, wrong shapes {bad[:5]}")
-    return _savable({n: weights[n].to(dtype) if weights[n].is_floating_point() else weights[n]
+    return savable({n: weights[n].to(dtype) if weights[n].is_floating_point() else weights[n]
                      for n in expected})
 
 
@@ -261,7 +261,7 @@ def _write_tokenizer(tmp: Path, tokenizer: Mapping[str, Any]) -> None:
                "pad_token_id": tokenizer["pad_token_id"],
                "eos_token_id": tokenizer["eos_token_id"], "id_to_token": table,
                "load_with": f"avrid.ppo.tokenizer.load_tokenizer({'char:' + alphabet!r})"}
-        _write_file(tmp / CHAR_TOKENIZER_FILE,
+        write_file(tmp / CHAR_TOKENIZER_FILE,
                     lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
     elif kind == "hf":
         path = Path(tokenizer["path"])
@@ -274,7 +274,7 @@ def _write_tokenizer(tmp: Path, tokenizer: Mapping[str, Any]) -> None:
         AutoTokenizer.from_pretrained(str(path), local_files_only=True).save_pretrained(tmp)
         for p in tmp.iterdir():
             if p.is_file():
-                _write_file(p, lambda _: None)  # fsync what save_pretrained wrote
+                write_file(p, lambda _: None)  # fsync what save_pretrained wrote
 
 
 def _rebuilt_tokenizer_record(config: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

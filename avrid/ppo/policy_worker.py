@@ -23,6 +23,8 @@ beyond the models and the optimizer.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 
 import torch
 
@@ -131,9 +133,7 @@ class PolicyWorker(Worker):
         """vLLM built from the model's config alone (``load_format="dummy"``: random weights):
         `setup` loads the actor's weights into it before anything is generated, so a fresh
         run, a resumed run and a checkpoint path all start from the weights being trained."""
-        import tempfile
-
-        from avrid.ppo.vllm_engine import VllmEngine
+        from avrid.ppo.vllm_engine import VllmEngine  # vllm is imported only where used
 
         cfg = self.config
         max_model_len = cfg.rollout.max_prompt_tokens + self.max_response
@@ -267,8 +267,6 @@ class PolicyWorker(Worker):
 
     def close(self) -> None:
         """Stop the rollout engine and leave the process group (all ranks at once)."""
-        import shutil
-
         try:
             close_engine = getattr(getattr(self, "engine", None), "close", None)
             if callable(close_engine):
