@@ -337,7 +337,8 @@ def test_load_task_errors() -> None:
         load_task("tests.test_ppo_tasks:make_empty_task")
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "x", "0.5", None, [1.0]])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "x", "0.5", None, [1.0],
+                                   True, False, 1e300, -1e7])
 def test_check_reward_rejects_non_finite(value: object) -> None:
     prompt = Prompt(index=17, text="381=", answer="183")
     with pytest.raises(ValueError, match=r"'parity'.*prompt 17 \('381='\)"):
@@ -349,5 +350,7 @@ def test_check_reward_accepts_numbers() -> None:
 
     prompt = Prompt(index=0, text="1=", answer="1")
     assert check_reward(np.float32(0.5), task_name="t", prompt=prompt) == 0.5
-    assert check_reward(True, task_name="t", prompt=prompt) == 1.0
+    assert check_reward(-1e6, task_name="t", prompt=prompt) == -1e6
+    with pytest.raises(ValueError, match="rewards must be numbers, not bool"):
+        check_reward(np.bool_(True), task_name="t", prompt=prompt)
     assert isinstance(check_reward(1, task_name="t", prompt=prompt), float)

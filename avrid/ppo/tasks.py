@@ -296,8 +296,14 @@ def load_task(spec: str, **kwargs: Any) -> Task:
     return task
 
 
+MAX_ABS_REWARD = 1e6
+"""The largest reward magnitude accepted. Rewards are float32 and GRPO/whitening square
+them: 1e300 became inf and then NaN advantages, far from the reward that caused it."""
+
+
 def check_reward(value: Any, *, task_name: str, prompt: Prompt) -> float:
-    """`value` as a float; ValueError naming the task and prompt if it is not a finite number.
+    """`value` as a float; ValueError naming the task and prompt if it is not a number (a
+    bool or a string is refused), not finite, or beyond +-`MAX_ABS_REWARD`.
 
     Example:
         >>> check_reward(1, task_name="t", prompt=Prompt(index=0, text="1=", answer="1"))
@@ -305,7 +311,9 @@ def check_reward(value: Any, *, task_name: str, prompt: Prompt) -> float:
     """
     where = f"task {task_name!r} returned reward {value!r} for prompt {prompt.index} " \
             f"({prompt.text!r})"
-    if isinstance(value, str | bytes):  # float("0.5") would work, but a string is a bug
+    # float("0.5") and float(True) work, but a string or a bool is a bug in the reward
+    # function (a `==` returned instead of a score), not a score.
+    if isinstance(value, str | bytes) or type(value).__name__ in ("bool", "bool_"):
         raise ValueError(f"{where}: rewards must be numbers, not {type(value).__name__}")
     try:
         reward = float(value)
@@ -313,4 +321,8 @@ def check_reward(value: Any, *, task_name: str, prompt: Prompt) -> float:
         raise ValueError(f"{where}: not a number") from e
     if not math.isfinite(reward):
         raise ValueError(f"{where}: rewards must be finite")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"{where}: rewards must lie in [-{MAX_ABS_REWARD:g}, "
+                         f"{MAX_ABS_REWARD:g}] (scores are float32, and the advantages square "
+                         f"them); scale the reward down")
     return reward

@@ -32,6 +32,8 @@ class WorkerError(RuntimeError):
         remote_traceback: the traceback text from the worker's process ("" when it died
             without one, e.g. killed by the OOM killer).
         reason: "raised", "died" or "timeout".
+        headline: one line for a person: who failed, how, and the remote exception's
+            message (what the `avrid` command prints).
     """
 
     def __init__(
@@ -48,4 +50,9 @@ class WorkerError(RuntimeError):
             head += f": {detail}"
         body = f"\n--- remote traceback of {role}[{rank}] ---\n{remote_traceback}" if (
             remote_traceback) else ""
+        # The remote exception's own last line ("ValueError: reward nan ..."): what a person
+        # reads first, so the command line can report the failure in one line.
+        last = next((ln.strip() for ln in reversed(remote_traceback.splitlines())
+                     if ln.strip()), "")
+        self.headline = f"{head} -- {last}" if last and last not in head else head
         super().__init__(head + body)

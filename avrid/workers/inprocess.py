@@ -17,9 +17,11 @@ placement on real resources (bundles are recorded in identities but nothing is r
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Any
 
@@ -54,19 +56,53 @@ class _SequentialChannel:
         pass
 
 
+class _RankThread:
+    """One daemon thread that runs one rank's calls in order (a rank is single-threaded, like
+    an actor). Daemon, unlike a ThreadPoolExecutor's workers: Python joins those at exit, so a
+    rank stuck in a hung reward function or a collective kept the driver from exiting (it took
+    a second Ctrl-C). A stuck daemon thread is simply abandoned when the driver ends."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, lambda: capture(fn, *args, **kwargs)))
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, run = item
+            if future.set_running_or_notify_cancel():
+                future.set_result(run())  # `capture` turns any exception into a value
+
+    def stop(self) -> None:
+        """Cancel the calls not yet started and let the thread end after its current one."""
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self._calls.put(None)
+
+
 class _ThreadChannel:
-    """One single-thread executor per rank: calls to one rank run in order, ranks in parallel."""
+    """One thread per rank: calls to one rank run in order, ranks in parallel."""
 
     def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity]):
         self._workers = workers
         self._identities = identities
-        self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=ident.name)
-                       for ident in identities]
+        self._threads = [_RankThread(ident.name) for ident in identities]
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Future[Any]:
         fn = getattr(self._workers[rank], method)
-        return self._pools[rank].submit(capture, fn, *args, **kwargs)
+        return self._threads[rank].submit(fn, *args, **kwargs)
 
     def gather(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
@@ -91,9 +127,10 @@ class _ThreadChannel:
         return value
 
     def close(self) -> None:
-        # Threads cannot be killed; a rank stuck in a collective ends at its gloo timeout.
-        for pool in self._pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        # Threads cannot be killed; a rank stuck in a collective ends at its gloo timeout, and
+        # one stuck forever is a daemon that does not hold the driver at exit.
+        for thread in self._threads:
+            thread.stop()
 
 
 class InProcessBackend:
