@@ -67,6 +67,10 @@ def test_empty_batches_are_allowed_and_keep_their_columns() -> None:
      "prompt_lens must be >= 1; sample 5 has 0"),
     ({"sample_ids": [4, 5], "prompt_lens": [1, 1], "response_lens": [-3, 1]},
      "response_lens must be >= 0; sample 4 has -3"),
+    ({"sample_ids": [4, 5, 6], "prompt_lens": [1, 2, 2], "response_lens": [1, 1, 0],
+      "packed": {"tokens": [torch.ones(2), torch.ones(4), torch.ones(1)]}},
+     r"column 'tokens' must hold prompt_lens \+ response_lens tokens per sample; sample 5 "
+     r"has 4 but its prompt_lens 2 \+ response_lens 1 = 3 \(2 such samples\)"),
 ])
 def test_malformed_batches_fail_naming_the_column(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

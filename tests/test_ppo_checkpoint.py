@@ -1,8 +1,11 @@
 """Chapter 5 — checkpoints: bit-exact round trips, an exact resume of AdamW, the `latest`
-pointer, pruning, re-saving a step, and a failure midway that leaves nothing behind."""
+pointer, pruning, re-saving a step, a failure midway that leaves nothing behind, checksums
+that refuse a tampered file, the newest intact checkpoint offered when the latest is damaged,
+leftovers of a killed save cleaned, and write errors that name the file."""
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 from pathlib import Path
@@ -13,10 +16,14 @@ import torch
 from avrid.ppo.checkpoint import (
     LATEST,
     Checkpoint,
+    CorruptCheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    newest_intact_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
+from avrid.ppo.outdir import WriteError, remove_stale_temp_dirs
 
 
 def save(root: Path, step: int, **kw: object) -> Path:
@@ -195,3 +202,94 @@ def test_bad_arguments_rejected_before_any_io(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="name"):
         save(tmp_path / "b", 1, weights={"../evil": {"w": torch.ones(1)}})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ---- integrity, damaged checkpoints, leftovers and write errors (issue 11) ---------------------
+
+def tamper(path: Path, model: str = "actor") -> None:
+    """Change the weights in place, keeping a perfectly valid safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path / f"{model}.safetensors"))
+    save_file({k: v + 1 for k, v in sd.items()}, str(path / f"{model}.safetensors"))
+
+
+def test_the_manifest_checksums_every_file_and_a_tampered_one_is_refused(tmp_path: Path) -> None:
+    path = save(tmp_path, 4, optimizers={"actor": {"m": torch.ones(3)}}, extra={"r": 1})
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["actor.optim.pt", "actor.safetensors", "extra.pt", "state.json"]
+    tamper(path)
+    with pytest.raises(ValueError, match=r"actor\.safetensors does not match the checksum"):
+        load_checkpoint(path)
+    with pytest.raises(ValueError, match=r"actor\.safetensors"):
+        verify_checkpoint(path)
+
+
+def test_a_damaged_latest_checkpoint_names_the_newest_intact_one(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    tamper(tmp_path / "step_000003")
+    (tmp_path / "step_000002" / "state.json").write_text('{"step": 99}')  # edited by hand
+    with pytest.raises(CorruptCheckpointError) as err:
+        load_checkpoint(tmp_path)
+    message = str(err.value)
+    assert "latest checkpoint" in message and "step_000003" in message
+    assert f"newest intact earlier checkpoint is {tmp_path / 'step_000001'}" in message
+    assert err.value.intact == tmp_path / "step_000001"
+    assert newest_intact_checkpoint(tmp_path) == tmp_path / "step_000001"
+    assert load_checkpoint(err.value.intact).step == 1  # and it loads by its path
+
+
+def test_a_garbage_latest_pointer_is_named_not_decoded(tmp_path: Path) -> None:
+    save(tmp_path, 1)
+    (tmp_path / LATEST).write_bytes(b"\xff\xfe\x00garbage\x9c")
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"checkpoint pointer {tmp_path / LATEST} is unreadable or corrupt"
+                             r".*step_000001"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / LATEST).write_text("../../etc\n")
+    with pytest.raises(CorruptCheckpointError, match="not a step directory name"):
+        load_checkpoint(tmp_path)
+
+
+def test_leftovers_of_a_killed_save_are_removed_and_a_set_aside_step_is_put_back(
+        tmp_path: Path) -> None:
+    save(tmp_path, 1)
+    save(tmp_path, 3)
+    (tmp_path / ".tmp-step_000004-dead").mkdir()
+    (tmp_path / ".tmp-step_000004-dead" / "actor.safetensors").write_bytes(b"half")
+    # Killed inside move_into_place: step 3 set aside, its replacement not yet renamed in.
+    trash = tmp_path / ".trash-step_000003-dead"
+    trash.mkdir()
+    (tmp_path / "step_000003").rename(trash / "step_000003")
+    (tmp_path / ".latest.x1.tmp").write_text("step_0")
+    removed = remove_stale_temp_dirs(tmp_path)
+    assert {p.name for p in removed} == {".tmp-step_000004-dead", ".trash-step_000003-dead",
+                                         ".latest.x1.tmp"}
+    assert listing(tmp_path) == [LATEST, "step_000001", "step_000003"]
+    assert load_checkpoint(tmp_path).step == 3
+
+
+def test_a_full_disk_names_the_file_and_leaves_nothing(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import avrid.ppo.outdir as outdir
+
+    save(tmp_path, 1)
+    before = listing(tmp_path)
+
+    def full(obj: object, path: object) -> None:  # what torch.save says on ENOSPC
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(outdir, "_free_bytes", lambda path: 0)
+    with pytest.raises(WriteError, match=r"could not write .*\.tmp-step_000002-\w+/"
+                                         r"actor\.optim\.pt: No space left on device") as err:
+        save(tmp_path, 2, optimizers={"actor": {"m": 1}})
+    assert isinstance(err.value, OSError) and err.value.errno == errno.ENOSPC
+    assert listing(tmp_path) == before
+
+
+def test_an_unwritable_root_names_the_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WriteError, match=rf"could not write {tmp_path / 'file' / 'ckpt'}: "):
+        save(tmp_path / "file" / "ckpt", 1)

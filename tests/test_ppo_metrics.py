@@ -1,11 +1,13 @@
 """Chapter 5 — what a run writes down: JSONL metrics with resume semantics, sample dumps, the
 progress bar, the one-line summary, the plots, and clear errors for missing optional
-backends."""
+backends and for failed writes."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from avrid.ppo.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
+from avrid.ppo.outdir import WriteError
 from avrid.ppo.plots import phase_figure, reward_figure, write_plots
 from avrid.results.result import RESULT_VERSION, Span, WorkerResult
 from avrid.results.timeline import Timeline
@@ -70,6 +73,24 @@ def test_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     run(tmp_path / "new.jsonl", range(3, 4), resume_step=2)
     assert read_metrics(tmp_path / "new.jsonl") == [
         {"step": 3, "train/reward": 0.3, "time/step": 1.5, "n": 3}]
+
+
+def test_a_full_disk_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class FullDisk(io.StringIO):
+        """What an append-mode file does on a full disk: the buffered bytes fail to land."""
+
+        def flush(self) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    opened = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, mode="r", **kw: FullDisk() if mode == "a"
+                        else opened(self, mode, **kw))
+    for path, write in ((tmp_path / "metrics.jsonl", lambda p: run(p, range(1, 3))),
+                        (tmp_path / "samples.jsonl",
+                         lambda p: SampleDump(p).write(1, [{"response": "x"}]))):
+        with pytest.raises(WriteError, match=rf"could not write {path}: No space left on "
+                                             r"device"):
+            write(path)
 
 
 def test_read_metrics_skips_only_a_torn_last_line(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, make_plan
+from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, Packed, make_plan
 from avrid.results import (
     RESULT_VERSION,
     Metric,
@@ -139,6 +139,43 @@ def test_malformed_results_name_the_ids_and_the_worker() -> None:
             merge(plan, results)
     with pytest.raises(ValueError, match=r"sample ids must be unique; repeated: \[11\]"):
         Batch.concat([r0.outputs, r0.outputs.take([1])])  # type: ignore[list-item]
+
+
+def test_per_token_rows_must_be_response_or_sequence_long() -> None:
+    batch = make_batch([(2, 2)] * 6, first_id=10)
+    plan = make_plan(batch, 2, DispatchConfig(method="contiguous"))  # 10,11,12 | 13,14,15
+    r0, r1 = run_locally(plan, batch)  # "logprobs": one value per sequence token (4)
+    lp = r1.outputs.packed["logprobs"]  # type: ignore[union-attr]
+    rows = [lp.row(i) for i in range(len(lp))]
+    longer = _with_packed(r1.outputs, "logprobs",  # type: ignore[arg-type]
+                          [rows[0], torch.cat([rows[1], rows[1][:1]]), rows[2]])
+    with pytest.raises(ValueError, match=r"actor\[1\] returned column 'logprobs' with 5 values "
+                                         r"for sample 14, whose response has 2 tokens "
+                                         r"\(prompt \+ response: 4\)"):
+        merge(plan, [r0, _tamper(r1, longer)])
+    # One value per response token is the other valid kind; a mix of both kinds is not.
+    response_long = [r[2:] for r in rows]
+    assert merge(plan, [_tamper(r0, _with_packed(r0.outputs, "logprobs",  # type: ignore[arg-type]
+                                                 [lp.row(0)[2:]] * 3)),
+                        _tamper(r1, _with_packed(r1.outputs, "logprobs",  # type: ignore[arg-type]
+                                                 response_long))]).batch
+    mixed = _with_packed(r1.outputs, "logprobs", [rows[0], *response_long[1:]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"column 'logprobs' with 4 values for sample 13"):
+        merge(plan, [r0, _tamper(r1, mixed)])
+    # A generation call (prompts sent, no response yet) returns new tokens of any length.
+    prompts = Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
+                    response_lens=torch.zeros(6, dtype=torch.int64))
+    plan = make_plan(prompts, 1)
+    (out,) = [ResultBuilder.for_shard(identity(0), s) for s in plan.split(prompts)]
+    out.add(prompts.sample_ids, packed={"response": [torch.ones(k) for k in range(6)]})
+    assert merge(plan, [out.build()]).batch.packed["response"].lengths.tolist() == [0, 1, 2,
+                                                                                   3, 4, 5]
+
+
+def _with_packed(b: Batch, name: str, rows: list[torch.Tensor]) -> Batch:
+    return Batch(sample_ids=b.sample_ids, prompt_lens=b.prompt_lens,
+                 response_lens=b.response_lens, packed={**b.packed, name: Packed.from_rows(rows)},
+                 scalars=b.scalars)
 
 
 def _rename(b: Batch, mapping: dict[int, int]) -> Batch:

@@ -11,8 +11,10 @@ A `Batch` holds n samples column-wise:
 Slicing by sample ids, by positions, or by a contiguous range, and concatenation, all keep the
 ids with their rows, so any reordering can be undone. A batch may be empty (a shard that got no
 samples is an empty batch with the same columns). A batch is checked when it is made:
-columns that disagree in length, duplicate ids or impossible lengths fail with a message
-naming the column. This file knows nothing about shards, costs or workers.
+columns that disagree in length, duplicate ids, impossible lengths or a "tokens" column whose
+rows are not prompt + response long fail with a message naming the column (and the sample).
+The checks are vectorised: a batch is made for every micro-batch. This file knows nothing
+about shards, costs or workers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+
+TOKENS = "tokens"
+"""The packed column of token ids: when a batch has it, row i is sample i's prompt and
+response, so its length must be ``prompt_lens[i] + response_lens[i]`` (checked)."""
 
 
 def _as_index(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -146,6 +152,18 @@ class Batch:
             if len(col) != n:
                 raise ValueError(f"column {name!r} has {len(col)} rows but the batch has {n} "
                                  f"samples; every column needs one row per sample")
+        tokens = self.packed.get(TOKENS)
+        # One vectorised comparison (this runs for every micro-batch): the lengths are what
+        # costs, partitions and masks are computed from, so they must describe the tokens.
+        if tokens is not None and not torch.equal(tokens.lengths, self.total_lens):
+            bad = (tokens.lengths != self.total_lens).nonzero().flatten()
+            i = int(bad[0])
+            raise ValueError(f"column {TOKENS!r} must hold prompt_lens + response_lens tokens "
+                             f"per sample; sample {int(self.sample_ids[i])} has "
+                             f"{int(tokens.lengths[i])} but its prompt_lens "
+                             f"{int(self.prompt_lens[i])} + response_lens "
+                             f"{int(self.response_lens[i])} = {int(self.total_lens[i])} "
+                             f"({len(bad)} such samples)")
         # Frozen all the way down: copy the column maps read-only (Ray's cloudpickle carries them).
         object.__setattr__(self, "packed", MappingProxyType(dict(self.packed)))
         object.__setattr__(self, "scalars", MappingProxyType(dict(self.scalars)))

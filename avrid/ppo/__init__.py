@@ -14,7 +14,8 @@ Read in this order:
                                reward_worker.py
 5. the driver:                 roles.py (placement), data.py, trainer.py (the loop),
                                run.py (resume, logging, checkpoints, plots)
-6. around it:                  checkpoint.py, metrics.py, plots.py
+6. around it:                  outdir.py (one run per directory, safe writes),
+                               checkpoint.py, metrics.py, plots.py
 
 Nothing is re-exported here: import from the module that defines a name, so "go to
 definition" lands on it.

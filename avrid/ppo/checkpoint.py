@@ -1,5 +1,5 @@
 """Chapter 5 — the trainer's checkpoints: one directory per step, written so a crash never
-leaves a half-written one behind.
+leaves a half-written one behind, and checked on load so a damaged one is never resumed.
 
 The driver gathers everything from the workers (full state dicts, per-rank optimizer states,
 data position, RNG states, config) and hands it to `save_checkpoint`; `load_checkpoint` gives
@@ -8,26 +8,37 @@ it back for a resume. A checkpoint directory looks like this::
     root/
       latest                 text: the name of the newest complete step directory
       step_000012/
-        manifest.json        what the directory holds (written last, checked on load)
+        manifest.json        what the directory holds and the sha256 of every other file
+                             (written last, checked on load)
         actor.safetensors    one full state dict per model name (safetensors.torch)
         critic.safetensors
         actor.optim.pt       one torch.save'd object per optimizer name
         state.json           JSON-able driver state: step, data position, config, ...
-        extra.pt             torch.save'd extras, e.g. tensor RNG states (only if given)
+        extra.pt             torch.save'd extras, e.g. RNG states (only if given)
 
 Why the care: a run killed while saving must still resume from the previous step. So every
 file goes into a hidden ``.tmp-step_000012-*`` directory first, is fsynced, and only then is
 the directory renamed into place (one atomic rename) and `latest` replaced (one atomic
-replace). A failure midway removes the temporary directory and changes nothing else. The
-steps are public (`write_file`, `fsync_dir`, `move_into_place`, `savable`) because the HF
-export (`export.py`) publishes its directory the same way.
+replace). A failure midway removes the temporary directory and changes nothing else; a
+process killed midway cannot, so the next run removes such leftovers at start. Those steps
+(`write_file`, `fsync_dir`, `move_into_place`, `remove_stale_temp_dirs`) live in `outdir.py`,
+because the HF export (`export.py`) publishes its directory the same way; a failed write
+raises `avrid.ppo.outdir.WriteError`: "could not write <file>: <cause>".
+
+Integrity: the manifest carries a sha256 per file, and `load_checkpoint` refuses a file that
+does not match (changed in place, truncated, bit rot), naming it. Loading the *latest*
+checkpoint of a root that turns out to be damaged raises `CorruptCheckpointError` naming it
+and the newest intact earlier step directory, which can then be loaded by its path. A
+`latest` pointer that is unreadable is refused the same way rather than guessed around.
 
 This file does not gather state from workers, shard or reshard anything, or import Ray. The
-``.pt`` files are pickles: load only checkpoints you wrote yourself.
+``.pt`` files are pickles: load only checkpoints you wrote yourself (the checksums catch
+damage, not a forger, who can rewrite the manifest too).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -41,15 +52,32 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from avrid.ppo.outdir import fsync_dir, move_into_place, write_file, writing
 from avrid.results.timeline import _atomic_write
 
 LATEST = "latest"
 """Name of the pointer file in the checkpoint root."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped when the layout changes; `load_checkpoint` refuses versions it does not know."""
+READABLE_FORMATS = (1, 2)
+"""Formats `load_checkpoint` reads. Format 1 had no checksums: its files load unverified."""
 
 _STEP_DIR = re.compile(r"step_(\d+)")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class CorruptCheckpointError(ValueError):
+    """The latest checkpoint of a root (or its `latest` pointer) is damaged.
+
+    `path` is the damaged step directory or pointer; `intact` the newest earlier step
+    directory that passed `verify_checkpoint` (None if there is none), which the message
+    names so a run can go on from there.
+    """
+
+    def __init__(self, message: str, *, path: Path, intact: Path | None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.intact = intact
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,9 +150,10 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
             raise ValueError(f"model/optimizer name {name!r} is not a plain file name "
                              "(letters, digits, _ . -)")
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
+    with writing(root):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
     try:
         for model, sd in weights.items():
             write_file(tmp / f"{model}.safetensors",
@@ -136,16 +165,22 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
         write_file(tmp / "state.json", lambda p: p.write_text(state_text))
         if extra is not None:
             write_file(tmp / "extra.pt", lambda p: torch.save(dict(extra), p))
+        # Hashed from disk (the page cache), after the fsync: what a later load will read.
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         manifest = {"format": FORMAT_VERSION, "step": step, "weights": sorted(weights),
-                    "optimizers": sorted(optimizers), "extra": extra is not None}
-        write_file(tmp / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
-        fsync_dir(tmp)
-        move_into_place(tmp, root / name)
+                    "optimizers": sorted(optimizers), "extra": extra is not None,
+                    "files": files}
+        write_file(tmp / "manifest.json",
+                   lambda p: p.write_text(json.dumps(manifest, indent=1)))
+        with writing(root / name):
+            os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
+            fsync_dir(tmp)
+            move_into_place(tmp, root / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
+    with writing(root / LATEST):
+        _atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
     fsync_dir(root)
     if keep_last is not None:
         _prune(root, step, keep_last)
@@ -155,14 +190,25 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete step directory under `root`, or None if there is none.
 
-    Reads `latest`; if it is missing or names a directory that is gone, falls back to the
-    highest-numbered ``step_*`` directory. Temporary (``.tmp-*``) directories never count.
+    Reads `latest`; if it is missing or names a directory that is gone (a crash between
+    the two renames of a re-save), falls back to the highest-numbered ``step_*`` directory.
+    Temporary (``.tmp-*``) directories never count.
+
+    Raises:
+        CorruptCheckpointError: `latest` exists but cannot be read or does not hold a step
+            directory name (binary garbage, a torn write on a broken disk).
     """
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if _STEP_DIR.fullmatch(target.name) and (target / "manifest.json").is_file():
+        try:
+            text = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _bad_pointer(root, f"cannot be read as text ({e})") from e
+        if not _STEP_DIR.fullmatch(text):
+            raise _bad_pointer(root, f"holds {text[:40]!r}, not a step directory name")
+        target = root / text
+        if (target / "manifest.json").is_file():
             return target
     steps = _step_dirs(root)
     return steps[-1][1] if steps else None
@@ -172,6 +218,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, models: Collection[str] | N
                     training_state: bool = True) -> Checkpoint:
     """Load a step directory, or the latest one if `path` is a checkpoint root.
 
+    Every file read is checked against the sha256 the manifest recorded for it.
+
     Args:
         path: a step directory or a checkpoint root.
         models: load only these weights (None: all the manifest lists).
@@ -180,38 +228,74 @@ def load_checkpoint(path: str | os.PathLike[str], *, models: Collection[str] | N
 
     Raises:
         FileNotFoundError: no checkpoint there, or a file the manifest lists is missing.
-        ValueError: a file is corrupt or of an unknown format version (the file is named).
+        ValueError: a file is corrupt, does not match its checksum, or is of an unknown
+            format version (the file is named).
+        CorruptCheckpointError: (a ValueError) `path` is a root and its latest checkpoint is
+            damaged; the message names the newest intact earlier one.
     """
     path = Path(path)
-    if not (path / "manifest.json").is_file():
-        found = latest_checkpoint(path) if path.is_dir() else None
-        if found is None:
-            raise FileNotFoundError(f"no checkpoint at {path}: neither a step directory "
-                                    "(with manifest.json) nor a root holding one")
-        path = found
-    manifest = _read(path / "manifest.json", lambda p: json.loads(p.read_text()))
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path / 'manifest.json'}: format {manifest.get('format')!r}, "
-                         f"this code reads format {FORMAT_VERSION}")
-    # weights_only=False: optimizer and extra objects may hold arbitrary picklable values
-    # (e.g. numpy RNG state); the module docstring says to load only your own checkpoints.
-    def torch_load(p: Path) -> Any:
-        return torch.load(p, map_location="cpu", weights_only=False)
+    if (path / "manifest.json").is_file():
+        return _load(path, models, training_state)
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint at {path}: neither a step directory "
+                                "(with manifest.json) nor a root holding one")
+    try:
+        return _load(found, models, training_state)
+    except (ValueError, OSError) as e:
+        try:
+            verify_checkpoint(found)
+        except (ValueError, OSError):
+            pass  # damaged indeed: offer the newest intact one
+        else:
+            raise  # the checkpoint is fine; the request was not (e.g. an unknown model)
+        intact = newest_intact_checkpoint(path, before=_step_of(found))
+        offer = (f"the newest intact earlier checkpoint is {intact}: load that step "
+                 f"directory by its path to go on from there" if intact is not None else
+                 f"no earlier intact checkpoint is left under {path}")
+        raise CorruptCheckpointError(f"the latest checkpoint {found} is damaged ({e}); "
+                                     f"{offer}", path=found, intact=intact) from e
 
-    wanted = manifest["weights"] if models is None else list(models)
-    unknown = sorted(set(wanted) - set(manifest["weights"]))
-    if unknown:
-        raise FileNotFoundError(f"{path} holds no weights named {', '.join(unknown)}; it has "
-                                f"{', '.join(manifest['weights']) or 'none'}")
-    weights = {m: _read(path / f"{m}.safetensors", lambda p: load_file(str(p), device="cpu"))
-               for m in wanted}
-    optimizers = ({o: _read(path / f"{o}.optim.pt", torch_load)
-                   for o in manifest["optimizers"]} if training_state else {})
-    state = _read(path / "state.json", lambda p: json.loads(p.read_text()))
-    extra = (_read(path / "extra.pt", torch_load)
-             if manifest["extra"] and training_state else {})
-    return Checkpoint(path=path, step=int(manifest["step"]), weights=weights,
-                      optimizers=optimizers, state=state, extra=extra)
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Check a step directory without loading it: a readable manifest of a known format,
+    and every file it lists present with its recorded sha256.
+
+    Raises:
+        FileNotFoundError / ValueError: as `load_checkpoint`, naming the file.
+    """
+    path = Path(path)
+    manifest = _manifest(path)
+    for name, digest in manifest.get("files", {}).items():
+        _verify(path / name, digest)
+    for name in _listed_files(manifest):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"checkpoint file missing: {path / name}")
+
+
+def newest_intact_checkpoint(root: str | os.PathLike[str], *,
+                             before: int | None = None) -> Path | None:
+    """The highest step directory under `root` (below step `before`, if given) that passes
+    `verify_checkpoint`, or None. Reads every file of each candidate: for error paths."""
+    for step, p in reversed(_step_dirs(Path(root))):
+        if before is not None and step >= before:
+            continue
+        try:
+            verify_checkpoint(p)
+        except (ValueError, OSError):
+            continue
+        return p
+    return None
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks (a model file never sits in memory
+    twice)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -236,51 +320,6 @@ def savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_file(path: Path, write: Callable[[Path], object]) -> None:
-    """Run `write(path)`, then fsync the file so the rename that follows publishes data that
-    is on disk, not just in the page cache."""
-    write(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable (POSIX); a no-op where directories cannot be
-    opened (Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def move_into_place(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final`. An existing `final` (the same step saved again after a
-    resume) is first renamed aside and deleted only once the new one is in place; a crash
-    in between leaves `latest` pointing at the old name, which then falls back to the
-    highest remaining step."""
-    if not final.exists():
-        os.rename(tmp, final)
-        return
-    trash = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".trash-{final.name}-"))
-    os.rename(final, trash / final.name)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        os.rename(trash / final.name, final)  # put the old one back; the caller drops tmp
-        shutil.rmtree(trash, ignore_errors=True)
-        raise
-    shutil.rmtree(trash, ignore_errors=True)
-
-
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     """Complete step directories (those with a manifest), sorted by step."""
     if not root.is_dir():
@@ -296,10 +335,89 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
         shutil.rmtree(p)
 
 
-def _read(path: Path, read: Callable[[Path], Any]) -> Any:
-    """`read(path)`, with errors that name the file."""
+def _load(path: Path, models: Collection[str] | None, training_state: bool) -> Checkpoint:
+    """Load one step directory, verifying each file it reads."""
+    manifest = _manifest(path)
+    digests: dict[str, str] = manifest.get("files", {})
+
+    # weights_only=False: optimizer and extra objects may hold arbitrary picklable values
+    # (e.g. numpy RNG state); the module docstring says to load only your own checkpoints.
+    def torch_load(p: Path) -> Any:
+        return torch.load(p, map_location="cpu", weights_only=False)
+
+    def read(name: str, reader: Callable[[Path], Any]) -> Any:
+        return _read(path / name, reader, digests.get(name))
+
+    wanted = manifest["weights"] if models is None else list(models)
+    unknown = sorted(set(wanted) - set(manifest["weights"]))
+    if unknown:
+        raise FileNotFoundError(f"{path} holds no weights named {', '.join(unknown)}; it has "
+                                f"{', '.join(manifest['weights']) or 'none'}")
+    weights = {m: read(f"{m}.safetensors", lambda p: load_file(str(p), device="cpu"))
+               for m in wanted}
+    optimizers = ({o: read(f"{o}.optim.pt", torch_load)
+                   for o in manifest["optimizers"]} if training_state else {})
+    state = read("state.json", lambda p: json.loads(p.read_text()))
+    extra = (read("extra.pt", torch_load)
+             if manifest["extra"] and training_state else {})
+    return Checkpoint(path=path, step=int(manifest["step"]), weights=weights,
+                      optimizers=optimizers, state=state, extra=extra)
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    manifest = _read(path / "manifest.json", lambda p: json.loads(p.read_text()))
+    version = manifest.get("format") if isinstance(manifest, dict) else None
+    if type(version) is not int or version not in READABLE_FORMATS:
+        raise ValueError(f"{path / 'manifest.json'}: format {version!r}, this code reads "
+                         f"formats {', '.join(map(str, READABLE_FORMATS))}")
+    shapes = {"step": int, "weights": list, "optimizers": list, "extra": bool}
+    if wrong := [k for k, kind in shapes.items() if not isinstance(manifest.get(k), kind)]:
+        raise ValueError(f"{path / 'manifest.json'} is malformed: {', '.join(wrong)} missing "
+                         f"or of the wrong type")
+    unchecked = ([] if version < 2 else sorted(set(_listed_files(manifest))
+                                                  - set(manifest.get("files") or {})))
+    if unchecked:  # every format-2 save records them all
+        raise ValueError(f"{path / 'manifest.json'} records no checksum for "
+                         f"{', '.join(unchecked)}: the manifest was edited or damaged")
+    return manifest
+
+
+def _listed_files(manifest: Mapping[str, Any]) -> list[str]:
+    """The files a manifest says its directory holds."""
+    return ([f"{m}.safetensors" for m in manifest["weights"]]
+            + [f"{o}.optim.pt" for o in manifest["optimizers"]]
+            + ["state.json"] + (["extra.pt"] if manifest["extra"] else []))
+
+
+def _verify(path: Path, digest: str | None) -> None:
+    """Refuse a missing file, or one whose sha256 is not `digest` (None: not recorded)."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {path}")
+    if digest is not None and (got := sha256_file(path)) != digest:
+        raise ValueError(f"checkpoint file {path} does not match the checksum its manifest "
+                         f"recorded (sha256 {got[:12]}..., expected {digest[:12]}...): it "
+                         f"was changed or damaged after the checkpoint was written")
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else 0
+
+
+def _bad_pointer(root: Path, problem: str) -> CorruptCheckpointError:
+    steps = _step_dirs(root)
+    newest = steps[-1][1] if steps else None
+    fix = (f"delete it and the newest complete step directory, {newest}, is used (or load "
+           f"a step directory by its path)" if newest is not None
+           else "no complete step directory is left beside it")
+    return CorruptCheckpointError(f"checkpoint pointer {root / LATEST} is unreadable or "
+                                  f"corrupt: it {problem}; {fix}", path=root / LATEST,
+                                  intact=newest)
+
+
+def _read(path: Path, read: Callable[[Path], Any], digest: str | None = None) -> Any:
+    """`read(path)` after checking its checksum, with errors that name the file."""
+    _verify(path, digest)
     try:
         return read(path)
     except Exception as e:

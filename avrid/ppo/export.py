@@ -46,17 +46,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-# The atomic-write steps checkpoints use (fsync, rename into place): one implementation.
-from avrid.ppo.checkpoint import (
-    fsync_dir,
-    latest_checkpoint,
-    load_checkpoint,
-    move_into_place,
-    savable,
-    write_file,
-)
+from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint, savable
 from avrid.ppo.config import PPOConfig
 from avrid.ppo.models import tiny_config
+from avrid.ppo.outdir import fsync_dir, move_into_place, write_file  # checkpoints' atomic writes
 from avrid.ppo.policy_worker import tiny_spec
 from avrid.ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 

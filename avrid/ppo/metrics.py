@@ -17,6 +17,9 @@ Without `resume_step` the file starts empty.
 Every line is written whole and flushed at once, so a crash leaves only whole lines (at worst
 a torn last line after an OS crash, which `read_metrics` skips). Non-finite floats (NaN, inf)
 are written as JSON ``null``: strict JSON has no NaN, and null reads as "no value" everywhere.
+A failed write (a full disk, a permission) raises `avrid.ppo.outdir.WriteError`: "could not
+write <file>: <cause>". Whether a directory's earlier files may be truncated at all is
+`run.py`'s decision (it refuses to, unless resuming).
 
 This file computes no metrics and imports neither Ray nor, unless asked for, tensorboard or
 wandb (both optional).
@@ -32,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from avrid.ppo.outdir import writing
 from avrid.results.timeline import _atomic_write
 
 PROGRESS_KEYS = ("train/reward", "val/reward", "time/step")
@@ -43,27 +47,31 @@ class _JsonlAppender:
 
     def __init__(self, path: str | os.PathLike[str], resume_step: int | None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            self.path.write_bytes(b"")
-        else:
-            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] \
-                if self.path.exists() else []
-            text = "".join(_line(r) for r in kept)
-            _atomic_write(self.path, lambda f: f.write(text.encode()))
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] \
+            if resume_step is not None and self.path.exists() else []
+        with writing(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is None:
+                self.path.write_bytes(b"")
+            else:
+                text = "".join(_line(r) for r in kept)
+                _atomic_write(self.path, lambda f: f.write(text.encode()))
+            self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
 
     def append(self, rows: Sequence[Mapping[str, Any]]) -> None:
         if self._file is None:
             raise ValueError(f"{self.path} is closed")
+        text = "".join(_line(r) for r in rows)  # a bad value fails here, not as an I/O error
         # One write per call: the rows of a step land together or (on a crash) not at all.
-        self._file.write("".join(_line(r) for r in rows))
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(text)
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with writing(self.path):  # the last buffered bytes are written here
+                file.close()
 
 
 class MetricsLogger:

@@ -16,35 +16,65 @@ Output directory (``train.out_dir``)::
                          and the tokenizer (see export.py); loads with from_pretrained, serves
                          with vLLM
 
+Nothing a run wrote is lost by starting another one:
+
+- the run holds an exclusive lock on ``out_dir`` (``.avrid.lock``, see `outdir.py`) from
+  start to end, so a second run on the same directory is refused, naming the holder's pid;
+- before anything is written or any worker starts, ``out_dir`` and ``checkpoints/`` are
+  checked to be writable, and leftovers of a save that was killed midway are removed;
+- a fresh run (no resume) refuses a directory that already holds an earlier run's metrics or
+  checkpoints: continue it with ``--resume``, or write to another (or empty) ``--out``;
+- a checkpoint is written every ``train.checkpoint_every`` steps (default 50) and at the
+  end, the newest ``train.keep_checkpoints`` kept.
+
 Resume (``train.resume=true``) loads the latest checkpoint, refuses a config that changes
 anything but the schedule, drops metric lines after the checkpoint and continues; since every
-random draw derives from (seed, step), the resumed run matches an uninterrupted one.
+random draw of the loop derives from (seed, step), the resumed run matches an uninterrupted
+one, and the driver's global RNGs (torch, Python's `random`, numpy) are restored too, for a
+plug-in task that draws from them. With no checkpoint to resume from it refuses, truncating
+nothing. A damaged latest checkpoint is refused naming the newest intact one;
+``train.resume_from=<step directory>`` resumes from that one (or any other) instead.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from avrid.ppo.checkpoint import (
+    Checkpoint,
+    CorruptCheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from avrid.ppo.config import PPOConfig
 from avrid.ppo.critic_worker import CriticWorker
 from avrid.ppo.export import export_checkpoint, tokenizer_record
 from avrid.ppo.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
+from avrid.ppo.outdir import OutDirError, OutDirLock, preflight, remove_stale_temp_dirs
 from avrid.ppo.plots import write_plots
 from avrid.ppo.policy_worker import PolicyWorker
 from avrid.ppo.reward_worker import response_text
 from avrid.ppo.trainer import Trainer
 
-SCHEDULE_FIELDS = ("steps", "resume", "progress", "val_every", "checkpoint_every",
-                   "keep_checkpoints", "out_dir", "samples_per_step", "tensorboard",
-                   "wandb_project")
+SCHEDULE_FIELDS = ("steps", "resume", "resume_from", "progress", "val_every",
+                   "checkpoint_every", "keep_checkpoints", "out_dir", "samples_per_step",
+                   "tensorboard", "wandb_project", "call_timeout_s", "setup_timeout_s")
 """`train` fields a resumed run may change; any other difference is refused."""
+WHERE_FIELDS = ("ray_address", "strategy")
+"""`placement` fields a resumed run may change too: where it runs, not what it computes."""
+
+
+class NoCheckpointError(OutDirError):
+    """A resume was asked for, but the output directory holds no checkpoint."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,20 +99,36 @@ def config_dict(config: PPOConfig) -> dict[str, dict[str, Any]]:
 
 
 def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> RunSummary:
-    """Run (or resume) training as configured; see the module docstring."""
+    """Run (or resume) training as configured; see the module docstring.
+
+    Raises:
+        OutDirError: (a ValueError) the output directory is busy, holds an earlier run that
+            this one would overwrite, or has no checkpoint to resume from.
+        avrid.ppo.outdir.WriteError: (an OSError) an output path cannot be written.
+    """
     started = time.time()
     t = config.train
     out = Path(t.out_dir)
     ckpt_root = out / "checkpoints"
+    # Held until the export is written: nothing below may interleave with another run.
+    with OutDirLock(out):
+        preflight(out, ckpt_root)
+        ck = _resume_point(config, out, ckpt_root)
+        for directory in (ckpt_root, out):  # any temporary dir here is a dead save's
+            remove_stale_temp_dirs(directory)
+        return _train(config, out, ckpt_root, ck, started, log)
+
+
+def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
+           started: float, log: Callable[[str], None] | None) -> RunSummary:
+    """The run proper, once the output directory is locked and checked."""
+    t = config.train
     first, weights, optimizers = 0, None, None
-    if t.resume and (latest := latest_checkpoint(ckpt_root)) is not None:
-        ck = load_checkpoint(latest)
-        _check_resumable(ck.state["config"], config_dict(config))
+    if ck is not None:
         first, weights, optimizers = ck.step, ck.weights, ck.optimizers
         if log:
-            log(f"resuming from {latest} (step {first})")
-    out.mkdir(parents=True, exist_ok=True)
-    resume_step = first if weights is not None else None
+            log(f"resuming from {ck.path} (step {first})")
+    resume_step = first if ck is not None else None
     tb = str(out / "tensorboard") if t.tensorboard else None
     with (Trainer(config) as trainer,
           MetricsLogger(out / "metrics.jsonl", resume_step=resume_step, tensorboard_dir=tb,
@@ -90,6 +136,8 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> Run
           SampleDump(out / "samples.jsonl", resume_step=resume_step) as samples,
           Progress(t.steps, initial=first, enabled=t.progress) as bar):
         trainer.start(weights, optimizers)
+        if ck is not None:  # after start: in-process workers share (and seed) these RNGs
+            restore_rng_states(ck.extra)
         if first == 0:
             val = trainer.validate()
             mlog.log(0, val)
@@ -129,25 +177,106 @@ def save(trainer: Trainer, root: Path, step: int) -> Path:
         states = group.call(method)
         weights[name] = states[0]["weights"]
         optimizers[name] = [s["optimizer"] for s in states]
-    # Every random draw is seeded from (train.seed, step), so the step IS the RNG state and
-    # the data position; the driver's torch RNG is saved too for code that draws from it.
+    # Every random draw of the loop is seeded from (train.seed, step), so the step IS the RNG
+    # state and the data position; the driver's global RNGs are saved too (and restored on
+    # resume) for code that draws from them, e.g. a plug-in task's reward.
     state = {"step": step, "data_position": step * cfg.train.prompts_per_step,
              "rng": {"seed": cfg.train.seed, "derived_from": "(seed, step)"},
              "config": config_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
     return save_checkpoint(root, step, weights=weights, optimizers=optimizers, state=state,
-                           extra={"torch_rng": torch.get_rng_state()},
-                           keep_last=cfg.train.keep_checkpoints)
+                           extra=rng_states(), keep_last=cfg.train.keep_checkpoints)
+
+
+def rng_states() -> dict[str, Any]:
+    """The driver's global RNG states: torch (CPU), Python's `random`, numpy's legacy
+    global generator; what `save` puts in a checkpoint's extras.
+
+    Example:
+        >>> saved = rng_states()
+        >>> a = torch.rand(1).item(), random.random()
+        >>> restore_rng_states(saved)
+        >>> (torch.rand(1).item(), random.random()) == a
+        True
+    """
+    return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state()}
+
+
+def restore_rng_states(extra: Mapping[str, Any]) -> None:
+    """Put back the RNG states `rng_states` returned (those present: a checkpoint of an
+    older avrid has only torch's)."""
+    if "torch_rng" in extra:
+        torch.set_rng_state(extra["torch_rng"])
+    if "python_rng" in extra:
+        random.setstate(extra["python_rng"])
+    if "numpy_rng" in extra:
+        np.random.set_state(extra["numpy_rng"])
+
+
+def _resume_point(config: PPOConfig, out: Path, ckpt_root: Path) -> Checkpoint | None:
+    """The checkpoint to resume from (None: a fresh run), after refusing what would lose
+    data: a resume with nothing to resume, a fresh run over an earlier run's outputs."""
+    t = config.train
+    if t.resume_from:
+        given = Path(t.resume_from)
+        step_dir = given if given.is_dir() else ckpt_root / given
+        if not (step_dir / "manifest.json").is_file():
+            raise NoCheckpointError(f"train.resume_from={t.resume_from!r}: {step_dir} is not "
+                                    f"a checkpoint step directory (one with manifest.json); "
+                                    f"give a path like {ckpt_root / 'step_000050'}")
+        ck = load_checkpoint(step_dir)
+    elif t.resume:
+        try:
+            if latest_checkpoint(ckpt_root) is None:
+                raise NoCheckpointError(
+                    f"cannot resume: {ckpt_root} holds no checkpoint, so there is nothing "
+                    f"to continue (nothing was changed). Run without --resume to start a new "
+                    f"run (in another or empty --out if {out} holds outputs you want to "
+                    f"keep), or point --out at the directory of the run you meant")
+            ck = load_checkpoint(ckpt_root)
+        except CorruptCheckpointError as e:
+            if e.intact is None:
+                raise
+            raise CorruptCheckpointError(
+                f"{e}; to resume from it: avrid ppo --resume --set "
+                f"train.resume_from={e.intact}", path=e.path, intact=e.intact) from e
+    else:
+        if earlier := _earlier_outputs(out, ckpt_root):
+            raise OutDirError(
+                f"{out} already holds an earlier run ({', '.join(earlier)}); a new run "
+                f"would overwrite it. Continue that run with --resume (train.resume=true), "
+                f"or start a new one in another or empty directory with --out "
+                f"(train.out_dir); delete {out} first if you no longer need it")
+        return None
+    _check_resumable(ck.state["config"], config_dict(config))
+    return ck
+
+
+def _earlier_outputs(out: Path, ckpt_root: Path) -> list[str]:
+    """What in `out` a fresh run would destroy: non-empty logs, any checkpoint."""
+    found = [name for name in ("metrics.jsonl", "samples.jsonl")
+             if (out / name).is_file() and (out / name).stat().st_size > 0]
+    # Any step directory counts, complete or not: a damaged checkpoint is still the user's.
+    steps = sorted(ckpt_root.glob("step_*")) if ckpt_root.is_dir() else []
+    if steps:
+        found.append(f"{len(steps)} checkpoint(s) in {ckpt_root.name}/, the last "
+                     f"{steps[-1].name}")
+    return found
 
 
 def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, Any]]) -> None:
-    diffs = [f"{sec}.{k}: {saved.get(sec, {}).get(k)!r} -> {v!r}"
+    # A field the checkpoint's config lacks is newer than it: the checkpoint's run had that
+    # field's default behaviour, so compare with the default.
+    default = config_dict(PPOConfig())
+    was = {sec: {**default.get(sec, {}), **saved.get(sec, {})} for sec in now}
+    diffs = [f"{sec}.{k}: {was[sec].get(k)!r} -> {v!r}"
              for sec, values in now.items() for k, v in values.items()
              if not (sec == "train" and k in SCHEDULE_FIELDS)
-             and saved.get(sec, {}).get(k) != v]
+             and not (sec == "placement" and k in WHERE_FIELDS) and was[sec].get(k) != v]
     if diffs:
         raise ValueError("cannot resume: the config differs from the checkpoint's in "
                          + "; ".join(diffs) + f" (only train.{{{', '.join(SCHEDULE_FIELDS)}}} "
-                         "may change)")
+                         f"and placement.{{{', '.join(WHERE_FIELDS)}}} may change)")
 
 
 def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # noqa: ANN001

@@ -8,7 +8,13 @@ results themselves (their spans feed the timeline). Before anything is combined 
 - each shard has exactly one collect result (one per DP coordinate);
 - each collect result covers exactly the samples its shard was sent — a missing, duplicated or
   unknown sample id is an error naming the ids and the worker;
-- all collect results carry the same columns with the same dtype and per-sample shape.
+- all collect results carry the same columns with the same dtype and per-sample shape;
+- every per-token (packed) output row is as long as its sample's response (log-probs,
+  values of the response tokens) or as its whole sequence (prompt + response), the same kind
+  for every sample of a column, so a row one token too long cannot shift the tokens of the
+  loss. A batch sent without responses (every response_lens 0: a generation call) gets back
+  new tokens of any length, so its rows are not checked. The check is a few vectorised
+  comparisons per column: merge runs on every call of every step.
 
 Data metrics come from collect ranks only (a tensor-parallel replica saw the same samples);
 per-rank metrics (memory, a worker's own time) come from every rank. This file does not send
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from avrid.dispatch import Batch, DispatchPlan
 from avrid.results.result import RESULT_VERSION, Metric, Span, WorkerResult, merge_metrics
@@ -52,6 +60,8 @@ def merge(plan: DispatchPlan, results: Sequence[WorkerResult], *,
     by_shard = _collect_results_by_shard(plan, results, data_axis)
     parts = [_checked_part(plan, s, by_shard[s]) for s in range(plan.num_shards)]
     _check_columns_agree(parts)
+    for part in parts:
+        _check_token_rows(part)
     template = next((p.outputs for p in parts if len(p.sample_ids)), None)
     outputs = [p.outputs if len(p.sample_ids) or template is None else template.take([])
                for p in parts]  # an empty shard's output gets the others' columns
@@ -121,6 +131,30 @@ def _check_columns_agree(parts: Sequence[WorkerResult]) -> None:
             diff = sorted(set(have.items()) ^ set(want.items()))
             raise ValueError(f"{p.identity.name} returned columns that disagree with "
                              f"{first.identity.name}'s: {diff}")
+
+
+def _check_token_rows(part: WorkerResult) -> None:
+    """Each packed column's rows are all response-long or all sequence-long (module doc)."""
+    out = part.outputs
+    if out is None or not bool(out.response_lens.any()):
+        return  # empty, or prompts only (a generation call): rows are new tokens
+    response, sequence = out.response_lens, out.total_lens
+    for name, col in out.packed.items():
+        lengths = col.lengths
+        if torch.equal(lengths, response) or torch.equal(lengths, sequence):
+            continue
+        # Name a sample that breaks the column's majority kind (prompt_lens >= 1, so a row
+        # is never both response-long and sequence-long).
+        kind = (response if int((lengths == response).sum()) >= int((lengths == sequence).sum())
+                else sequence)
+        bad = (lengths != kind).nonzero().flatten()
+        i = int(bad[0])
+        raise ValueError(
+            f"{part.identity.name} returned column {name!r} with {int(lengths[i])} values "
+            f"for sample {int(out.sample_ids[i])}, whose response has {int(response[i])} "
+            f"tokens (prompt + response: {int(sequence[i])}); a per-token column holds one "
+            f"value per response token or per sequence token, the same for every sample "
+            f"({len(bad)} such samples)")
 
 
 def _signature(batch: Batch) -> dict[str, tuple[str, tuple[int, ...]]]:
