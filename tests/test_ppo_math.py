@@ -148,6 +148,45 @@ def test_k3_is_non_negative_and_zero_at_equal_policies():
     assert torch.isfinite(kl_estimate(T([[0.0]]), T([[-1e9]]), "k3")).all()  # clamped
 
 
+def test_k3_value_is_capped_at_10_like_verl():
+    # verl's low_var_kl: x = clamp(-d, -20, 20); k3 = clamp(e^x - x - 1, -10, 10).
+    #   d = -15 (ref likes the token e^15 times more): e^15 - 15 - 1 = 3269001.4  -> 10
+    #   d = +15:                                        e^-15 + 15 - 1 = 14.0000003 -> 10
+    #   d = -2:                                         e^2 - 2 - 1    = 4.389056 (below the cap)
+    #   d = +2:                                         e^-2 + 2 - 1   = 1.135335
+    lp = T([[-15.0, 15.0, -2.0, 2.0]], requires_grad=True)
+    k3 = kl_estimate(lp, torch.zeros(1, 4), "k3")
+    close(k3, [[10.0, 10.0, math.e ** 2 - 3, math.exp(-2) + 1]])
+    # A capped token has no gradient (as in verl); below the cap d(k3)/d(logp) = 1 - e^-d.
+    k3.sum().backward()
+    close(lp.grad, [[0.0, 0.0, 1 - math.e ** 2, 1 - math.exp(-2)]])
+
+
+def test_kl_estimators_expected_gradients_in_the_loss():
+    # What each estimator's gradient is in expectation over tokens drawn from pi (exactly: a
+    # sum over the vocabulary weighted by the detached pi), against the closed forms:
+    #   k1: E[grad log pi] = 0  (why the config refuses k1 in the loss)
+    #   k2: grad KL(pi || ref)     k3: grad KL(ref || pi)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(7, generator=g, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(7, generator=g), 0)
+
+    def expected_grad(kind: str) -> torch.Tensor:
+        logp = torch.log_softmax(theta, 0)
+        k = kl_estimate(logp[None], ref[None], kind)[0]
+        return torch.autograd.grad((logp.exp().detach() * k).sum(), theta)[0]
+
+    def grad_of(f) -> torch.Tensor:
+        return torch.autograd.grad(f(torch.log_softmax(theta, 0)), theta)[0]
+
+    reverse = grad_of(lambda lp: (lp.exp() * (lp - ref)).sum())
+    forward = grad_of(lambda lp: (ref.exp() * (ref - lp)).sum())
+    assert expected_grad("k1").abs().max() < 1e-6
+    assert torch.allclose(expected_grad("k2"), reverse, atol=1e-6)
+    assert torch.allclose(expected_grad("k3"), forward, atol=1e-6)
+    assert reverse.abs().max() > 1e-2 and forward.abs().max() > 1e-2  # not vacuous
+
+
 # ---------------------------------------------------------------- aggregation
 
 
@@ -260,6 +299,20 @@ def test_value_loss_clipping_hand_values_and_grads():
     close(v.grad, [[0.25, 0.0]])
     plain = value_loss(v, old, ret, mask, clip=None)
     assert plain.loss.item() == pytest.approx(0.3125) and float(plain.clip_frac) == 0.0
+
+
+def test_value_loss_every_aggregation_mode():
+    # Unclipped (clip=None): L = 0.5 * (v - R)^2 with v - R = [[1, 2, 3], [4, pad, pad]]:
+    # per-token [[0.5, 2, 4.5], [8]] — row sums 7 (3 tokens) and 8 (1 token); norm_len 4.
+    #   token-mean 15 / 4 = 3.75;  seq-mean-token-sum (7 + 8) / 2 = 7.5
+    #   seq-mean-token-mean (7/3 + 8) / 2 = 5.16667;  seq-mean-token-sum-norm (7/4 + 8/4) / 2
+    v = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    want = {"token-mean": 3.75, "seq-mean-token-sum": 7.5, "seq-mean-token-mean": 31 / 6,
+            "seq-mean-token-sum-norm": 1.875}
+    assert set(want) == set(AGG_MODES)
+    for mode, expected in want.items():
+        out = value_loss(v, v, torch.zeros(2, 3), MASK_31, clip=None, agg=mode, norm_len=4)
+        assert float(out.loss) == pytest.approx(expected), mode
 
 
 def test_value_loss_padding_is_never_read():

@@ -88,8 +88,10 @@ class CriticWorker(Worker):
         def loss_fn(x: ModelInputs, mb, w: torch.Tensor, b: ResultBuilder) -> torch.Tensor:
             values = response_values(self.critic, x)
             returns = padded(mb, "returns")
+            # norm_len: seq-mean-token-sum-norm needs it (the weights `w` carry the same
+            # aggregation over the whole mini-batch; value_loss checks its arguments alike).
             out = value_loss(values, padded(mb, "values"), returns, x.response_mask,
-                             clip=a.value_clip, agg=a.loss_agg)
+                             clip=a.value_clip, agg=a.loss_agg, norm_len=totals.norm_len)
             valid = x.response_mask.bool()
             b.metric("critic/vf_clipfrac", out.clipped[valid].float(), "mean_tokens")
             b.metric("critic/vf_error", (values.detach() - returns)[valid] ** 2, "mean_tokens")

@@ -102,7 +102,8 @@ def prompt_batch(prompts: PromptSet, indices: Sequence[int], *, repeats: int, fi
 
 def with_responses(prompts: Batch, generated: Batch) -> Batch:
     """Prompt rows + their generated "response" rows -> full sequences. Keeps the prompt
-    batch's scalar columns and the generated per-token columns (e.g. "rollout_logp")."""
+    batch's scalar columns and the generated per-token columns (e.g. "rollout_logp") and
+    per-sample ones (e.g. "truncated")."""
     if not torch.equal(prompts.sample_ids, generated.sample_ids):
         raise ValueError("generated rows must come back in the prompt batch's order")
     response = generated.packed["response"]
@@ -112,7 +113,7 @@ def with_responses(prompts: Batch, generated: Batch) -> Batch:
     return Batch(sample_ids=prompts.sample_ids, prompt_lens=prompts.prompt_lens,
                  response_lens=response.lengths, packed={"tokens": Packed.from_rows(tokens),
                                                          **extra},
-                 scalars=dict(prompts.scalars))
+                 scalars={**prompts.scalars, **generated.scalars})
 
 
 def add_columns(batch: Batch, *, packed: dict[str, Packed] | None = None,

@@ -14,6 +14,19 @@ exp(logp - old_logp) needs the two log-probabilities computed the same way: both
 Aggregation is per call. Averaging the losses of several micro-batches is the caller's job
 (and is only exact when the micro-batches hold equal token / sequence counts).
 
+Which KL estimator where (d = log pi - log ref on tokens sampled from pi; Schulman 2020;
+Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"):
+
+- In the REWARD only the estimate's VALUE matters (it is a penalty the policy gradient then
+  optimises): k1 and k3 are unbiased estimates of KL(pi || ref), k3 with lower variance;
+  k2's mean is KL(pi || ref) only to second order in d.
+- In the LOSS only its GRADIENT matters, taken through log pi at fixed samples:
+  k1: E[grad d] = E[grad log pi] = 0 — no pull towards the reference at all, only noise, so
+      the config refuses k1 in the loss;
+  k2: E[d * grad log pi] = grad KL(pi || ref) on-policy — the reverse KL's gradient;
+  k3: E[(1 - ref/pi) * grad log pi] = grad KL(ref || pi) — the forward KL's gradient, also
+      zero exactly at pi = ref (GRPO's choice).
+
 Pure tensor math; no models, no workers, no Ray.
 """
 
@@ -32,6 +45,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 # exp() of a log-ratio beyond this is inf in float32 anyway; clamping keeps one absurd token
 # (a stale old_logp, a reference that gives a token ~0 probability) from making the loss inf.
 _MAX_LOG_RATIO = 20.0
+# verl's cap on the k3 value ("low_var_kl": clamp(kl, -10, 10); k3 >= 0, so only the top bites).
+_MAX_K3 = 10.0
 
 
 def _check_like(name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -51,14 +66,23 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
         k2 = 0.5 * d^2                  biased, low variance, >= 0
         k3 = exp(-d) - (-d) - 1         unbiased, low variance, >= 0 (since e^x >= 1 + x)
 
+    k3 is computed as verl's "low_var_kl" is, with two clamps:
+
+        k3 = clamp(exp(x) - x - 1, max=10)     with x = clamp(-d, -20, 20)
+
+    The first keeps exp finite; the second bounds the value, which grows like exp(-d): at
+    d = -15 (the reference finds the token 15 nats likelier than pi does) it would be 3.3e6,
+    and one such token in the reward would swamp every score and critic target of the batch.
+    A clamped token has zero gradient. Which estimator is sound where (reward or loss): see
+    the module docstring; k1 in the loss is not.
+
     Args:
         logp: (B, T) log pi(token) under the current policy.
         ref_logp: (B, T) log ref(token) under the reference model.
         kind: one of KL_KINDS.
 
     Returns:
-        (B, T) float32 estimates (mask them with `aggregate`). For k3 the log-ratio is clamped
-        to [-20, 20] first so that it stays finite.
+        (B, T) float32 estimates (mask them with `aggregate`); k3 lies in [0, 10].
 
     Example:
         >>> lp, ref = torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, 0.0]])
@@ -76,7 +100,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k2":
         return 0.5 * d * d
     neg = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log(ref / pi)
-    return torch.exp(neg) - neg - 1.0
+    return (torch.exp(neg) - neg - 1.0).clamp(max=_MAX_K3)
 
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,

@@ -116,7 +116,8 @@ def build_tiny_policy(spec: TinyModelSpec, *, seed: int, eos_token_id: int | Non
 
 def build_tiny_critic(spec: TinyModelSpec, *, seed: int,
                       dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A randomly initialised `Qwen2ForTokenClassification` with one label: a value per token.
+    """A randomly initialised `Qwen2ForTokenClassification` with one label: a value per token
+    (its `score` head a `ValueHead`, so the output is never a view; see there).
 
     Example:
         >>> critic = build_tiny_critic(TinyModelSpec(vocab_size=16), seed=0)
@@ -124,7 +125,8 @@ def build_tiny_critic(spec: TinyModelSpec, *, seed: int,
         (1, 64)
     """
 
-    return _build(Qwen2ForTokenClassification, tiny_config(spec, num_labels=1), seed, dtype)
+    model = _build(Qwen2ForTokenClassification, tiny_config(spec, num_labels=1), seed, dtype)
+    return _with_value_head(model)
 
 
 _INIT_LOCK = threading.Lock()
@@ -152,12 +154,41 @@ def load_policy(path: str | Path, *, dtype: torch.dtype = torch.float32,
 def load_critic(path: str | Path, *, dtype: torch.dtype = torch.float32,
                 attn_implementation: str = ATTN_IMPLEMENTATION) -> torch.nn.Module:
     """A critic from a LOCAL causal-LM checkpoint: its decoder, plus a one-output `score`
-    head that is NEWLY initialised (the checkpoint has none; transformers warns about it).
-    The LM head is dropped. Its values are noise until PPO has trained that head."""
+    head that is NEWLY initialised (the checkpoint has none; transformers warns about it),
+    as a `ValueHead`. The LM head is dropped. Its values are noise until PPO has trained it."""
 
-    return AutoModelForTokenClassification.from_pretrained(
+    return _with_value_head(AutoModelForTokenClassification.from_pretrained(
         _local(path), num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
-        local_files_only=True).eval()
+        local_files_only=True).eval())
+
+
+class ValueHead(torch.nn.Linear):
+    """The critic's one-output `score` head: an `nn.Linear` whose output is never a view.
+
+        V = x W^T + b        computed as linear(x, W), then + b out of place
+
+    `nn.Linear` with a bias computes a (B, L, H) input as one addmm over (B*L, H) and returns
+    it reshaped to (B, L, 1): a VIEW. It is the critic's final output, so under FSDP2 the
+    wrapped root module returns a view, and FSDP2 warns on every forward that an in-place op
+    on it would drop its pre-backward hook ("can cause wrong gradients"). Computing the bias
+    add out of place returns a fresh tensor: the same function, nothing left to warn about.
+    The parameters keep their names (`score.weight`, `score.bias`), so checkpoints are the same.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x, self.weight)  # no bias: matmul, not a view
+        return out if self.bias is None else out + self.bias
+
+
+def _with_value_head(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its `score` Linear swapped for a `ValueHead` holding the same parameters."""
+    old = model.score
+    # On the meta device: no memory and no draw from the RNG; the real parameters move over.
+    head = ValueHead(old.in_features, old.out_features, bias=old.bias is not None,
+                     device="meta")
+    head.weight, head.bias = old.weight, old.bias
+    model.score = head
+    return model
 
 
 def _local(path: str | Path) -> str:

@@ -155,7 +155,9 @@ class PolicyWorker(Worker):
     def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
                  seed: int) -> WorkerResult:
         """Sample one response per prompt of the shard (the rows' "tokens" are prompts).
-        Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs)."""
+        Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs), and
+        the per-sample scalar "truncated": 1 where the response hit `max_new_tokens` without
+        a stop token (the engine's finish reason "length"), else 0."""
         if max_new_tokens > self.max_response:  # the engine's context was sized for that
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response "
                              f"budget of {self.max_response} tokens")
@@ -173,13 +175,16 @@ class PolicyWorker(Worker):
             done = self.engine.generate(prompts, params) if prompts else []
             self.engine.sleep()
         lengths = [len(c.token_ids) for c in done]
+        truncated = torch.tensor([c.finish_reason == "length" for c in done], dtype=torch.int64)
         builder.add(batch.sample_ids, packed={
             "response": Packed.from_rows([torch.tensor(c.token_ids, dtype=torch.int64)
                                           for c in done]),
             "rollout_logp": Packed.from_rows([torch.tensor(c.logprobs, dtype=torch.float32)
-                                              for c in done])})
+                                              for c in done])},
+            scalars={"truncated": truncated})
         builder.metric("rollout/response_len", torch.tensor(lengths, dtype=torch.float64),
                        "mean_samples")
+        builder.metric("rollout/truncation_rate", truncated.to(torch.float64), "mean_samples")
         builder.metric("rollout/tokens", float(sum(lengths)), "sum")
         return builder.build()
 

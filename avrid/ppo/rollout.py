@@ -73,6 +73,9 @@ class Completion:
     `token_ids` include the stop token if one was sampled. `logprobs[i]` is the log-prob of
     `token_ids[i]` under softmax(logits / temperature) over the FULL vocabulary (the
     `logprobs_from_logits` definition), even with top-k: the trainer recomputes exactly that.
+    `finish_reason` is "stop" when the last token is a stop token (even if it was the last one
+    allowed) and "length" when `max_new_tokens` ran out first: a truncated response, which
+    the trainer carries as the sample's "truncated" column (see `algo.truncation`).
     """
 
     token_ids: tuple[int, ...]

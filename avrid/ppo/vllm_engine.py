@@ -158,7 +158,7 @@ class VllmEngine:
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        return [_completion(out.outputs[0]) for out in outputs]
+        return [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors by HF name into every worker (vLLM fuses and shards them), then a
@@ -209,12 +209,19 @@ class VllmEngine:
             VllmEngine._live = False
 
 
-def _completion(out: Any) -> Completion:
-    """A vLLM ``CompletionOutput`` as our `Completion` (sampled-token log-probs picked out)."""
+def _completion(out: Any, stop_token_ids: Sequence[int] = ()) -> Completion:
+    """A vLLM ``CompletionOutput`` as our `Completion` (sampled-token log-probs picked out).
+
+    The finish reason means what `TorchEngine`'s does: "stop" when the response ends with one
+    of `stop_token_ids`, "length" when it was cut off. vLLM checks the token budget before the
+    stop tokens (v1 `check_stop`), so a stop token drawn as the very last allowed token comes
+    back as "length" — a finished response that the trainer would count as truncated."""
     if out.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a request with {out.finish_reason!r}")
     ids = tuple(int(t) for t in out.token_ids)
     if out.logprobs is None or len(out.logprobs) != len(ids):
         raise RuntimeError("vLLM returned no log-prob per token: was logprobs=0 dropped?")
     logprobs = tuple(float(out.logprobs[i][t].logprob) for i, t in enumerate(ids))
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=out.finish_reason)
+    finished = bool(ids) and ids[-1] in stop_token_ids
+    return Completion(token_ids=ids, logprobs=logprobs,
+                      finish_reason="stop" if finished else out.finish_reason)

@@ -1,0 +1,151 @@
+"""Chapter 5 actor and critic updates on one rank, against the losses computed on the whole batch.
+
+Each test builds a real worker (in-process, one rank, fp32: no process group), swaps its AdamW
+for a recorder that keeps the gradients the step would have applied, and runs `update` on a
+hand-made shard of two micro-batches. The reference is the plain loss of `losses.py` over the
+whole batch, so what is pinned is the update's weighting, not a snapshot of its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from avrid.dispatch import Batch, Shard
+from avrid.ppo.actor import Totals, response_logprobs, response_values
+from avrid.ppo.batching import model_inputs, packed, padded
+from avrid.ppo.config import PPOConfig, with_overrides
+from avrid.ppo.critic_worker import CriticWorker
+from avrid.ppo.losses import AGG_MODES, value_loss
+from avrid.ppo.models import build_tiny_critic
+from avrid.ppo.policy_worker import PolicyWorker, tiny_spec
+from avrid.workers import WorkerIdentity
+
+VOCAB, PAD, EOS = 16, 0, 1
+NORM_LEN = 5
+PROMPT_LENS, RESPONSE_LENS = [2, 3, 1, 2], [3, 1, 4, 2]
+
+
+def config(*overrides: str) -> PPOConfig:
+    """Tiny fp32 models on one in-process rank; no gradient clipping (clip_grad_norm_ with a
+    huge bound multiplies by exactly 1.0)."""
+    return with_overrides(PPOConfig(), [
+        "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
+        "model.hidden_size=32", "model.num_heads=2", "train.grad_clip=1e9", *overrides])
+
+
+class GradRecorder:
+    """Stands in for the optimizer: `step` keeps a copy of every gradient and changes nothing."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.grads = model, {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def step(self) -> None:
+        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+                      if p.grad is not None}
+
+
+def make_batch(seed: int = 0) -> Batch:
+    """Four samples of ragged prompts and responses with every column an update reads."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(2, VOCAB, (p + r,), generator=g)
+              for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)]
+
+    def per_token(scale: float) -> list[torch.Tensor]:
+        return [scale * torch.randn(r, generator=g) for r in RESPONSE_LENS]
+
+    return Batch.from_rows(sample_ids=[10, 11, 12, 13], prompt_lens=PROMPT_LENS,
+                           response_lens=RESPONSE_LENS,
+                           packed={"tokens": tokens, "values": per_token(0.5),
+                                   "returns": per_token(1.0), "advantages": per_token(1.0)})
+
+
+def shard_of(batch: Batch) -> Shard:
+    """The whole batch as one rank's shard, cut into two micro-batches."""
+    half = len(batch) // 2
+    return Shard(index=0, batch=batch, micro_bounds=(0, half, len(batch)))
+
+
+def identity(role: str) -> WorkerIdentity:
+    return WorkerIdentity(role=role, rank=0, world_size=1)
+
+
+def critic_grads(cfg: PPOConfig, batch: Batch) -> dict[str, torch.Tensor]:
+    worker = CriticWorker(identity("critic"), config=cfg, vocab_size=VOCAB, pad_id=PAD)
+    worker.setup()
+    worker.optimizer = GradRecorder(worker.critic)
+    worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN))
+    return worker.optimizer.grads
+
+
+def actor_grads(cfg: PPOConfig, batch: Batch) -> dict[str, torch.Tensor]:
+    worker = PolicyWorker(identity("policy"), config=cfg, vocab_size=VOCAB, eos_id=EOS,
+                          pad_id=PAD, max_response_tokens=NORM_LEN)
+    worker.setup()
+    with torch.no_grad():  # ratio 1 and a reference a little off: every loss term has grad
+        x = model_inputs(batch, PAD)
+        logp, _ = response_logprobs(worker.actor, x, cfg.rollout.temperature)
+    mask = x.response_mask.bool()
+    columns = {"old_logp": logp, "ref_logp": logp - 0.3}
+    batch = Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
+                  response_lens=batch.response_lens, scalars=batch.scalars,
+                  packed={**batch.packed, **{k: packed(v, mask) for k, v in columns.items()}})
+    worker.optimizer = GradRecorder(worker.actor)
+    worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN))
+    return worker.optimizer.grads
+
+
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                      tol: float = 1e-6) -> None:
+    assert a.keys() == b.keys() and a
+    worst = max(float((a[n] - b[n]).abs().max()) for n in a)
+    assert worst < tol, worst
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_critic_update_works_in_every_aggregation_mode(mode: str) -> None:
+    # The update's gradient must be that of value_loss over the whole batch, aggregated by
+    # `mode` (seq-mean-token-sum-norm used to crash: norm_len was not passed).
+    cfg = config(f"algo.loss_agg={mode}", "algo.value_clip=0.2")
+    batch = make_batch()
+    got = critic_grads(cfg, batch)
+    ref = build_tiny_critic(tiny_spec(cfg, VOCAB), seed=cfg.train.seed + 1)
+    x = model_inputs(batch, PAD)
+    out = value_loss(response_values(ref, x), padded(batch, "values"), padded(batch, "returns"),
+                     x.response_mask, clip=0.2, agg=mode, norm_len=NORM_LEN)
+    out.loss.backward()
+    assert_same_grads(got, {n: p.grad for n, p in ref.named_parameters()})
+
+
+def with_loss_mask(batch: Batch, keep: list[float]) -> Batch:
+    return dataclasses.replace(batch, scalars={**batch.scalars,
+                                               "loss_mask": torch.tensor(keep)})
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("role", ["critic", "actor"])
+def test_a_masked_sample_trains_like_an_absent_one(role: str, mode: str) -> None:
+    # algo.truncation=mask gives truncated samples loss_mask 0: the update must then equal
+    # the update on the batch without them (weights AND denominators), in every mode.
+    cfg = config(f"algo.loss_agg={mode}", "algo.kl_coef=0.1", "algo.kl_kind=k3",
+                 "algo.entropy_coef=0.01")
+    grads = critic_grads if role == "critic" else actor_grads
+    batch = make_batch()
+    masked = grads(cfg, with_loss_mask(batch, [1.0, 0.0, 1.0, 1.0]))
+    absent = grads(cfg, batch.take(torch.tensor([0, 2, 3])))
+    assert_same_grads(masked, absent)
+    everything = grads(cfg, batch)  # not vacuous: sample 1 does change the gradient
+    assert max(float((masked[n] - everything[n]).abs().max()) for n in masked) > 1e-4
+
+
+def test_totals_leave_masked_samples_out() -> None:
+    batch = with_loss_mask(make_batch(), [1.0, 0.0, 1.0, 0.0])
+    assert Totals.of(batch, NORM_LEN) == Totals(tokens=3 + 4, seqs=2, norm_len=NORM_LEN)
+    assert Totals.of(make_batch(), NORM_LEN) == Totals(tokens=10, seqs=4, norm_len=NORM_LEN)
+
