@@ -2,7 +2,8 @@
 
 - `@pytest.mark.gpu(count=N)` / `@pytest.mark.vllm` tests skip with a reason where CUDA, N GPUs
   or the vllm package are missing (the logic is `tests.helpers.hardware_skip_reason`).
-- `ray_session` starts one local Ray for the whole session (auth off, no dashboard).
+- `ray_session` starts one local Ray for the whole session (auth off, no dashboard); a test
+  that runs its own multi-node cluster stops it, and `ray_cluster` starts it again.
 - `ray_cluster` is what a test asks for: after the test it fails the test if any actor or
   placement group the test created is still alive, then restarts Ray so the leak cannot
   poison later tests.
@@ -57,7 +58,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _start_ray() -> None:
     from avrid.workers import start_ray
 
-    start_ray(num_cpus=RAY_CPUS)
+    # "local": the tests' own Ray, never a cluster named by RAY_ADDRESS in the shell.
+    start_ray(address="local", num_cpus=RAY_CPUS)
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +91,8 @@ def ray_cluster(ray_session: None) -> Iterator[None]:
     """Ray for one test, failing the test if it leaks actors or placement groups."""
     import ray
 
+    if not ray.is_initialized():  # a test that ran its own cluster left Ray stopped
+        _start_ray()
     actors_before, pgs_before = _alive()
     yield
     # ray.kill and remove_placement_group are asynchronous: give them a moment to land.

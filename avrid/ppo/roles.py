@@ -10,6 +10,7 @@ The pool "policy" has one bundle per policy rank (CPUs, and one GPU each on CUDA
 shares those bundles (colocated, each worker taking a share) or, with
 ``placement.colocate_critic=False``, gets a pool of its own. The reward worker sits in the
 first policy bundle with a small CPU share, since it runs while the policy waits.
+``placement.strategy`` lays the bundles over a cluster's nodes (STRICT_SPREAD: one node each).
 This file only describes placement (chapter 1's `RoleSpec`s); the backend starts it.
 """
 
@@ -34,7 +35,7 @@ def build_placement(config: PPOConfig, tokenizer: Tokenizer, *,
     gpus = 1.0 if p.device == "cuda" else 0.0
     share = 2 if config.algo.uses_critic and p.colocate_critic else 1
     policy_pool = ResourcePool.uniform("policy", p.actor_dp, cpus=p.cpus_per_worker, gpus=gpus,
-                                       strategy="PACK")
+                                       strategy=p.strategy)
     pools = [policy_pool]
     tok = {"vocab_size": _vocab(tokenizer), "pad_id": tokenizer.pad_token_id}
     # Colocated roles split each bundle (CPUs and GPU); the policy leaves room for the reward.
@@ -49,7 +50,7 @@ def build_placement(config: PPOConfig, tokenizer: Tokenizer, *,
         critic_pool = "policy"
         if not p.colocate_critic:
             pools.append(ResourcePool.uniform("critic", p.critic_dp, cpus=p.cpus_per_worker,
-                                              gpus=gpus, strategy="PACK"))
+                                              gpus=gpus, strategy=p.strategy))
             critic_pool = "critic"
         if p.colocate_critic and p.critic_dp > p.actor_dp:
             raise ValueError(f"config field 'placement.critic_dp': a colocated critic uses the "

@@ -64,6 +64,9 @@ class WorkerIdentity:
     """Index among this role's workers in the same bundle (0 when one worker per bundle)."""
     node: str = ""
     """Node IP the worker runs on; filled in by the worker process once it is placed."""
+    node_id: str = ""
+    """Ray's id of that node, filled in with `node`: it tells nodes apart even where several
+    share one IP (containers, a test cluster on one machine). Empty in-process."""
     devices: tuple[str, ...] = ()
     """Accelerator ids the worker may use (e.g. ("0",)); empty on CPU."""
     rendezvous: Rendezvous | None = None

@@ -1,6 +1,7 @@
 """Chapter 1 — the Ray backend: one actor per rank, placed in Ray placement groups.
 
-`RayBackend.launch(plan)` does, in order:
+`start_ray` joins an existing cluster (an address, or RAY_ADDRESS) or starts a local Ray.
+`RayBackend.launch(plan)` then does, in order:
 1. checks the plan's total CPUs/GPUs against the cluster and fails at once if they cannot fit;
 2. reserves one placement group per pool and waits a bounded time for it (a pool that fits in
    total but not per node — say STRICT_PACK over two half-full nodes — fails here, with what
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,20 +42,76 @@ from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
 from avrid.workers.worker import Worker
 
 
-def start_ray(*, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """Start a local Ray (or keep the running one) with quiet, test-friendly defaults.
+def start_ray(address: str | None = None, *, num_cpus: int | None = None,
+              num_gpus: int | None = None, connect_timeout_s: float = 10.0) -> None:
+    """Join an existing Ray cluster or start a local Ray (or keep the one already running).
 
-    `num_cpus` defaults to max(8, cores): CPUs are logical scheduling slots in Ray, so a laptop
-    can host the course's 4-8 single-CPU workers. `num_gpus` > 0 on a machine without GPUs
-    makes *pretend* GPUs: Ray only does the bookkeeping, which is enough to watch fractional
-    shares being placed.
+    Where Ray runs, in this order:
+
+    1. `address`, if given: ``"auto"`` (the cluster ``ray start --head`` started on this
+       machine), ``"host:port"`` (a head node's GCS address, as ``ray start --head`` prints
+       it), ``"ray://host:port"`` (Ray Client) or ``"local"`` (always a new local Ray);
+    2. else the ``RAY_ADDRESS`` environment variable, read the same way;
+    3. else a new local Ray with quiet, test-friendly defaults — never a cluster that happens
+       to run on this machine (Ray's own ``ray.init()`` would join the last ``ray start``).
+
+    A local Ray gets `num_cpus` (default max(8, cores)): CPUs are logical scheduling slots in
+    Ray, so a laptop can host the course's 4-8 single-CPU workers. `num_gpus` > 0 on a machine
+    without GPUs makes *pretend* GPUs: Ray only does the bookkeeping, which is enough to watch
+    fractional shares being placed. A cluster brings its own resources and Ray refuses both
+    there: they are an error next to an explicit `address`, and are ignored when the address
+    comes from ``RAY_ADDRESS`` (the caller sized a local Ray; the user chose the cluster).
+
+    Raises:
+        ConnectionError: nothing answers at the cluster's address within `connect_timeout_s`
+            (one line naming the address and the cause; checked first because ``ray.init``
+            itself retries an unreachable address for minutes).
+        ValueError: `num_cpus` or `num_gpus` given together with a cluster's `address`.
     """
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written to ~/.ray
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
-    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), num_gpus=num_gpus,
-             include_dashboard=False, log_to_driver=True, configure_logging=False)
+    source = "" if address is not None else " (from RAY_ADDRESS)"
+    target = address if address is not None else (os.environ.get("RAY_ADDRESS") or None)
+    if target is None or target == "local":
+        # "local" explicitly: with None, Ray would join the cluster `ray start` left behind.
+        ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1),
+                 num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+        return
+    if address is not None and (num_cpus is not None or num_gpus is not None):
+        raise ValueError(f"start_ray: num_cpus/num_gpus size a new local Ray, but "
+                         f"address={address!r} joins an existing cluster, which brings its "
+                         f"own resources; drop them or use address='local'")
+    ray.init(address=_reachable(target, source, connect_timeout_s), log_to_driver=True,
+             configure_logging=False)
+
+
+def _reachable(target: str, source: str, timeout_s: float) -> str:
+    """The address to give `ray.init` for `target`, once its head answers on TCP."""
+    # Ray's own resolver (private, but what `ray.init` runs): "auto" -> the address that
+    # `ray start` recorded on this machine, "localhost:port" -> this node's IP and port.
+    from ray._private.services import canonicalize_bootstrap_address
+
+    def fail(cause: object) -> ConnectionError:
+        cause = " ".join(str(cause).split())  # Ray's messages span lines: keep one
+        return ConnectionError(f"cannot join the Ray cluster at {target!r}{source}: {cause}")
+
+    if target.startswith("ray://"):  # Ray Client: probe its server, hand Ray the URL as is
+        host_port, resolved = target.removeprefix("ray://").split("/")[0], target
+    else:
+        try:
+            resolved = host_port = canonicalize_bootstrap_address(target)
+        except (OSError, ValueError) as exc:  # no cluster found, a malformed address
+            raise fail(exc) from None
+    host, _, port = host_port.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise fail(f"nothing answers at {host_port} ({exc}); is the head node up "
+                   f"(`ray start --head`) and the address right?") from None
+    return resolved
 
 
 @ray.remote(num_cpus=0)
@@ -64,9 +122,11 @@ def _rendezvous_here() -> Rendezvous:
 
 def _record_placement(worker: Worker) -> WorkerIdentity:
     """Runs inside a freshly built actor: complete its identity with the node it landed on
-    and the GPU ids Ray gave it (neither is known before the actor is placed)."""
+    (IP and Ray node id) and the GPU ids Ray gave it (neither is known before placement)."""
     gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    # The node id too: several nodes may share one IP (containers, `ray.cluster_utils`).
     worker.identity = replace(worker.identity, node=ray.util.get_node_ip_address(),
+                              node_id=ray.get_runtime_context().get_node_id(),
                               devices=tuple(gpus))
     return worker.identity
 
@@ -201,12 +261,14 @@ class RayBackend:
             ray.get(pg.ready(), timeout=self.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
+            # The node count matters too: STRICT_SPREAD needs a node per bundle.
+            nodes = sum(1 for node in ray.nodes() if node["Alive"])
             raise PlacementError(
                 f"pool {pool.name!r} ({len(pool.bundles)} bundles "
                 f"{[b.as_ray() for b in pool.bundles]}, {pool.strategy}) could not be placed "
                 f"within {self.placement_timeout_s} s; the cluster has "
                 f"{_cpu_gpu(ray.cluster_resources())} in total and "
-                f"{_cpu_gpu(ray.available_resources())} free"
+                f"{_cpu_gpu(ray.available_resources())} free, on {nodes} node(s)"
             ) from None
         return pg
 
