@@ -21,6 +21,14 @@ import os
 import runpy
 import sys
 from pathlib import Path
+from typing import NoReturn
+
+from avrid.workers.errors import PlacementError, WorkerError
+
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, PlacementError, WorkerError)
+"""What `avrid ppo` reports in one line: bad config or input, files, placement, and a
+worker's failure (its role, rank, method and message). Anything else is a bug in avrid and
+keeps its traceback."""
 
 # (package under chapters/, video topic) — one line per chapter that exists so far.
 CHAPTERS: tuple[tuple[str, str], ...] = (
@@ -66,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--seed", type=int, help="override train.seed")
     ppo.add_argument("--out", help="override train.out_dir")
     ppo.add_argument("--backend", choices=("ray", "inprocess"), help="placement.backend")
+    ppo.add_argument("--address", help="join this Ray cluster: auto (the one `ray start` "
+                     "runs here) or HOST:PORT; placement.ray_address (default: RAY_ADDRESS, "
+                     "else a local Ray)")
     ppo.add_argument("--task", help="task name, e.g. digits, gsm8k, my_module:make_task")
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     ppo.add_argument("--set", dest="overrides", action="append", default=[],
@@ -76,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
                         "root or a step directory")
     export.add_argument("dest", help="the directory to write (must not exist, or be empty)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty DEST")
+    for command in (ppo, export):  # errors are one line; --debug shows the traceback
+        command.add_argument("--debug", action="store_true",
+                             help="on an error, show the full traceback (or AVRID_DEBUG=1)")
     args = parser.parse_args(argv)
 
     if args.command == "ppo":
@@ -116,7 +130,8 @@ def _ppo(args: argparse.Namespace) -> None:
     sets = []
     for flag, field in (("algo", "algo.name"), ("steps", "train.steps"),
                         ("seed", "train.seed"), ("out", "train.out_dir"),
-                        ("backend", "placement.backend"), ("task", "task.name")):
+                        ("backend", "placement.backend"), ("task", "task.name"),
+                        ("address", "placement.ray_address")):
         if getattr(args, flag) is not None:
             sets.append(f"{field}={getattr(args, flag)}")
     name = args.preset
@@ -136,21 +151,37 @@ def _ppo(args: argparse.Namespace) -> None:
     try:
         config = with_overrides(preset(name), sets + args.overrides)
     except (ValueError, TypeError) as e:
-        print(f"avrid ppo: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail("avrid ppo", e, debug=args.debug)
     if args.print_config:
         print(json.dumps(config_dict(config), indent=2))
         return
     try:
         summary = train(config, log=print)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        # Config and task errors found at start: one line naming what is wrong, no traceback.
-        print(f"avrid ppo: {e}", file=sys.stderr)
-        sys.exit(2)
+    except USER_ERRORS as e:
+        _fail("avrid ppo", e, debug=args.debug)
+    except KeyboardInterrupt:
+        # The trainer has already stopped its workers; the checkpoints on disk are whole.
+        print(f"\navrid ppo: interrupted; resume with `avrid ppo --resume --out "
+              f"{config.train.out_dir}` (same preset and --set options)", file=sys.stderr)
+        sys.exit(130)
     print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; validation "
           f"reward {summary.initial_val_reward:.3f} -> {summary.final_val_reward:.3f}; "
           f"outputs in {summary.out_dir}/ (the policy in Hugging Face format: "
           f"{summary.out_dir}/export/)")
+
+
+def _fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:
+    """Report an error a user can act on in one line (exit status 2), or, with --debug (or
+    AVRID_DEBUG=1), raise it again so the whole traceback shows."""
+    if debug or os.environ.get("AVRID_DEBUG", "") not in ("", "0"):
+        raise error
+    # A worker's failure carries the remote traceback: its headline names role, rank, method
+    # and the remote exception; the full text is one --debug away.
+    text = getattr(error, "headline", None) or str(error).strip() or type(error).__name__
+    first = text.splitlines()[0] if text else type(error).__name__
+    hint = " (run with --debug for the traceback)" if not isinstance(error, ValueError) else ""
+    print(f"{command}: {first}{hint}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -160,8 +191,7 @@ def _export(args: argparse.Namespace) -> None:
     try:
         done = export_checkpoint(args.source, args.dest, overwrite=args.overwrite)
     except (ValueError, OSError) as e:  # not a checkpoint, destination taken, files gone
-        print(f"avrid export: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail("avrid export", e, debug=args.debug)
     print(f"avrid export: step {done.step} of {done.checkpoint} -> {done.dest}/ "
           f"({', '.join(done.files)})")
 

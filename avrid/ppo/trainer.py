@@ -92,13 +92,17 @@ class Trainer:
     def start(self, weights: dict | None = None, optimizers: dict | None = None) -> None:
         """Start the workers and build (or restore, from a checkpoint's pieces) the models."""
         plan = self.placement()
+        t = self.config.train
+        # Every call the driver makes waits at most `call_timeout_s`: a stuck reward function
+        # or worker ends the run with an error naming role, rank and method, never a hang.
         if self.config.placement.backend == "ray":
             from avrid.workers import RayBackend, start_ray
 
-            start_ray()
-            backend = RayBackend(start_timeout_s=300.0)
+            start_ray(self.config.placement.ray_address)  # None: RAY_ADDRESS or a local Ray
+            backend = RayBackend(start_timeout_s=t.setup_timeout_s,
+                                 call_timeout_s=t.call_timeout_s)
         else:
-            backend = InProcessBackend(concurrent=True)
+            backend = InProcessBackend(concurrent=True, call_timeout_s=t.call_timeout_s)
         self.cluster = backend.launch(plan)
         self.policy = self.cluster.group("policy", PolicyWorker)
         self.reward = self.cluster.group("reward", RewardWorker)
@@ -117,25 +121,41 @@ class Trainer:
                                  f"this run has {n}; resume with the same placement")
             pending.append(group.submit_per_rank(setup, [weights.get(name)] * n, opt))
         for p in pending:  # both groups initialise at once (their process groups form)
-            p.result()
+            p.result(t.setup_timeout_s)
 
-    def close(self) -> None:
-        """Leave the process groups and stop the workers."""
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the workers. After a clean run every rank leaves its process group (all ranks
+        at once, bounded by `train.call_timeout_s`). After a failure (`failed=True`) the
+        workers are stopped without asking: a dead or stuck rank cannot take part in leaving,
+        and waiting for it (up to gloo's timeout) would only bury the error that matters."""
         if self.cluster is None:
             return
+        cluster, self.cluster = self.cluster, None
         try:
-            self.policy.call(PolicyWorker.close)
-            if self.critic is not None:
-                self.critic.call(CriticWorker.close)
+            if not failed:
+                leaving = [self.policy.submit(PolicyWorker.close)]
+                if self.critic is not None:
+                    leaving.append(self.critic.submit(CriticWorker.close))
+                for pending in leaving:
+                    pending.result(self.config.train.call_timeout_s)
         finally:
-            self.cluster.close()
-            self.cluster = None
+            cluster.close()  # Ray: kill the actors and free the placement groups
 
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        # The error that ended the run stays the one raised; a failure while stopping the
+        # workers is attached to it as a note, never put in its place.
+        try:
+            self.close(failed=True)
+        except Exception as cleanup:  # noqa: BLE001 - reported on the original error
+            exc.add_note(f"(and stopping the workers afterwards failed: "
+                         f"{type(cleanup).__name__}: {cleanup})")
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -206,7 +226,9 @@ class Trainer:
         for m in merged:
             for k, v in m.metric_values().items():
                 sums.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in sums.items()}  # means over mini-batches
+        # Means over mini-batches, except counts of skipped (non-finite) optimizer steps.
+        out = {k: sum(v) if k.endswith("/skipped_steps") else sum(v) / len(v)
+               for k, v in sums.items()}
         mask = response_mask(batch).bool()
         gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
         out["train/reward"] = float(batch.scalars["score"].mean())
@@ -232,15 +254,34 @@ class Trainer:
         batch = with_responses(prompts, gen.batch)
         scored = run_shards(self.reward, RewardWorker.score, batch)
         return {"val/reward": float(scored.batch.scalars["score"].mean()),
-                "val/response_len": float(batch.response_lens.float().mean())}
+                "val/response_len": float(batch.response_lens.float().mean()),
+                "val/truncation_rate": float(batch.scalars["truncated"].float().mean())}
 
 
 def compute_advantages(batch: Batch, config: PPOConfig) -> Batch:
     """Token rewards (score at the last token, minus the KL if it goes in the reward), then
-    GAE with the critic's values (PPO) or group-normalised scores (GRPO)."""
+    GAE with the critic's values (PPO) or group-normalised scores (GRPO).
+
+    A truncated response (scalar "truncated" = 1: it hit the response budget without a stop
+    token) is treated as `algo.truncation` says; with s_i its score and c the penalty:
+
+        keep      s_i as it is; it trains like any other response
+        penalty   s_i - c, before the KL, GAE or the group statistics see the score
+        mask      s_i as it is, but loss_mask_i = 0: it weighs nothing in the actor and critic
+                  losses and is not counted in their denominators (DAPO's overlong
+                  filtering). It still counts in GRPO's group statistics and PPO's
+                  whitening: it is a sample of the policy like the others.
+
+    Adds packed "advantages" (and "returns" for PPO) and the scalar "loss_mask" (1 = the
+    sample trains; read by `actor.sample_loss_mask`).
+    """
     a = config.algo
     mask = response_mask(batch)
     scores = batch.scalars["score"].float()
+    truncated = _truncated(batch, a.truncation)
+    if a.truncation == "penalty":
+        scores = scores - a.truncation_penalty * truncated
+    kept = {"loss_mask": 1.0 - truncated if a.truncation == "mask" else torch.ones_like(scores)}
     kl = torch.zeros_like(mask)
     if a.kl_coef > 0 and a.kl_in == "reward":
         kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind) * mask
@@ -250,12 +291,24 @@ def compute_advantages(batch: Batch, config: PPOConfig) -> Batch:
         if a.whiten_advantages:
             adv = whiten(adv, mask)
         return add_columns(batch, packed={"advantages": packed(adv, mask),
-                                          "returns": packed(ret, mask)})
+                                          "returns": packed(ret, mask)}, scalars=kept)
     # GRPO: a KL in the reward lowers each response's score by its summed KL.
     seq_scores = scores - a.kl_coef * kl.sum(1)
     adv = grpo_advantages(seq_scores, batch.scalars["group"], mask,
                           norm_by_std=a.grpo_norm_by_std)
-    return add_columns(batch, packed={"advantages": packed(adv, mask)})
+    return add_columns(batch, packed={"advantages": packed(adv, mask)}, scalars=kept)
+
+
+def _truncated(batch: Batch, choice: str) -> torch.Tensor:
+    """(n,) float32, 1 where the response was truncated (the batch's "truncated" column)."""
+    column = batch.scalars.get("truncated")
+    if column is None:
+        if choice != "keep":  # "keep" ignores it, so hand-made batches may leave it out
+            raise ValueError(f"algo.truncation={choice!r} needs the batch's per-sample "
+                             f"'truncated' column (PolicyWorker.generate writes it); "
+                             f"columns: {sorted(batch.scalars)}")
+        return torch.zeros(len(batch))
+    return column.float()
 
 
 def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:

@@ -54,5 +54,5 @@ class WorkerError(RuntimeError):
         # reads first, so the command line can report the failure in one line.
         last = next((ln.strip() for ln in reversed(remote_traceback.splitlines())
                      if ln.strip()), "")
-        self.headline = f"{head} -- {last}" if last and last not in head else head
+        self.headline = f"{role}[{rank}].{method}() {reason}: {last}" if last else head
         super().__init__(head + body)

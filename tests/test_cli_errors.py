@@ -1,0 +1,76 @@
+"""User errors on the command line: one line naming what was wrong (and what is allowed), exit
+status 2, no traceback; `--debug` (or AVRID_DEBUG=1) shows the traceback.
+
+The cases are the red-team list of issue 11. Errors found before any worker starts are run
+through `avrid.cli.main` in this process (fast); the ones that need Ray or a run run the
+command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from avrid.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+    return int(done.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, names", [
+    ("train.actor_lr=inf", "train.actor_lr': must be a finite number, got inf"),
+    ("train.critic_lr=nan", "train.critic_lr': must be a finite number"),
+    ("algo.entropy_coef=nan", "algo.entropy_coef': must be a finite number"),
+    ("rollout.temperature=inf", "rollout.temperature': must be a finite number"),
+    ("task.options=op:reverse,length:nan", "task.options.length': must be a string"),
+    ("train.seed=100000000000000000000", "train.seed': must be in [0, 2**32)"),
+    ("train.seed=-1", "train.seed': must be in [0, 2**32)"),
+    ("algo.loss_agg=sum", "allowed: token-mean"),
+    ("train.steps", "must look like section.field=value"),
+])
+def test_a_bad_setting_is_one_line_with_status_2(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path, setting: str,
+                                                 names: str) -> None:
+    code, err = run_main(capsys, "ppo", "--out", str(tmp_path), "--set", setting)
+    assert code == 2
+    assert err.startswith("avrid ppo: ") and names in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not any(tmp_path.iterdir()), "nothing may be written for a bad config"
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train.actor_lr"):
+        main(["ppo", "--out", str(tmp_path), "--set", "train.actor_lr=inf", "--debug"])
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "avrid.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=150)
+
+
+def test_an_impossible_placement_is_one_line(tmp_path: Path) -> None:
+    done = _command("ppo", "--out", str(tmp_path), "--set", "placement.actor_dp=64",
+                    "--set", "train.progress=false")
+    assert done.returncode == 2, done.stderr
+    assert "avrid ppo: the placement asks for 64 CPU" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_failing_user_reward_is_one_line_naming_the_sample(tmp_path: Path) -> None:
+    done = _command("ppo", "--backend", "inprocess", "--out", str(tmp_path),
+                    "--task", "tests.test_ppo_trainer:make_nan_task", "--set",
+                    "train.progress=false", "--set", "train.val_prompts=2")
+    assert done.returncode == 2, done.stderr
+    [line] = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert line.startswith("avrid ppo: reward[0].score() raised: ValueError: sample ")
+    assert "returned reward nan for prompt 4" in line
