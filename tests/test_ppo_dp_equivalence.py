@@ -25,24 +25,11 @@ from avrid.ppo.losses import AGG_MODES, policy_loss
 from avrid.ppo.models import TinyModelSpec, build_tiny_policy
 from avrid.results import ResultBuilder
 from avrid.workers import WorkerIdentity
+from tests.helpers import GradRecorder
 
 VOCAB, NORM_LEN = 11, 6
 MODEL = build_tiny_policy(TinyModelSpec(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                         num_layers=1, num_heads=2, num_kv_heads=2), seed=0)
-
-
-class GradRecorder:
-    """Stands in for the optimizer: `step` keeps the gradients instead of applying them."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.grads = model, {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
-                      if p.grad is not None}
 
 
 def random_batch(draw: st.DrawFn) -> Batch:

@@ -22,6 +22,7 @@ from avrid.ppo.losses import AGG_MODES, value_loss
 from avrid.ppo.models import build_tiny_critic
 from avrid.ppo.policy_worker import PolicyWorker, tiny_spec
 from avrid.workers import WorkerIdentity
+from tests.helpers import GradRecorder
 
 VOCAB, PAD, EOS = 16, 0, 1
 NORM_LEN = 5
@@ -34,21 +35,6 @@ def config(*overrides: str) -> PPOConfig:
     return with_overrides(PPOConfig(), [
         "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
         "model.hidden_size=32", "model.num_heads=2", "train.grad_clip=1e9", *overrides])
-
-
-class GradRecorder:
-    """Stands in for the optimizer: `step` keeps a copy of every gradient and changes nothing."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.grads = model, {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-
-    def step(self) -> None:
-        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
-                      if p.grad is not None}
 
 
 def make_batch(seed: int = 0) -> Batch:
