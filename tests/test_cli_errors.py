@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from avrid.cli import main
+from avrid.ppo.outdir import OutDirLock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +46,51 @@ def test_a_bad_setting_is_one_line_with_status_2(capsys: pytest.CaptureFixture[s
     assert err.startswith("avrid ppo: ") and names in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not any(tmp_path.iterdir()), "nothing may be written for a bad config"
+
+
+def _used(out: Path) -> None:
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+
+
+def _garbage_latest(out: Path) -> None:
+    (out / "checkpoints" / "step_000001").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00garbage")
+
+
+def _checkpoints_is_a_file(out: Path) -> None:
+    (out / "checkpoints").write_text("a file where the directory should be")
+
+
+@pytest.mark.parametrize("prepare, flags, names", [
+    (lambda out: None, ["--resume"], "holds no checkpoint, so there is nothing to continue"),
+    (_used, [], "already holds an earlier run (metrics.jsonl)"),
+    (_garbage_latest, ["--resume"], "is unreadable or corrupt"),
+    (_checkpoints_is_a_file, [], "could not write"),
+])
+def test_an_output_directory_problem_is_one_line_with_status_2(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, prepare, flags: list[str],  # noqa: ANN001
+        names: str) -> None:
+    prepare(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, err = run_main(capsys, "ppo", "--out", str(tmp_path), *flags)
+    assert code == 2
+    assert err.startswith("avrid ppo: ") and names in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert {p: p.read_bytes() for p in before} == before, "nothing may be changed"
+
+
+def test_resume_into_a_missing_directory_creates_nothing(capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path) -> None:
+    code, err = run_main(capsys, "ppo", "--out", str(tmp_path / "typo"), "--resume")
+    assert code == 2 and "there is no directory" in err
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_busy_output_directory_is_one_line_naming_the_holder(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with OutDirLock(tmp_path):
+        code, err = run_main(capsys, "ppo", "--out", str(tmp_path))
+    assert code == 2 and str(os.getpid()) in err and len(err.strip().splitlines()) == 1
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:

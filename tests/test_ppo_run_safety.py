@@ -56,8 +56,9 @@ def test_resume_without_a_checkpoint_refuses_and_truncates_nothing(tmp_path: Pat
                                                 r"no checkpoint.*--out"):
         train(tiny(out, "train.resume=true"))
     assert snapshot(out) == before
-    with pytest.raises(NoCheckpointError, match="holds no checkpoint"):  # nothing there at all
+    with pytest.raises(NoCheckpointError, match="there is no directory"):  # nothing at all
         train(tiny(tmp_path / "empty", "train.resume=true"))
+    assert not (tmp_path / "empty").exists()
     assert isinstance(NoCheckpointError("x"), ValueError)  # `avrid ppo`: one line, exit 2
 
 

@@ -110,6 +110,10 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> Run
     t = config.train
     out = Path(t.out_dir)
     ckpt_root = out / "checkpoints"
+    if (t.resume or t.resume_from) and not out.is_dir():  # a typo must not make a directory
+        raise NoCheckpointError(f"cannot resume: there is no directory {out} (nothing was "
+                                f"created); point --out at the directory of the run to "
+                                f"continue, or drop --resume to start a new run")
     # Held until the export is written: nothing below may interleave with another run.
     with OutDirLock(out):
         preflight(out, ckpt_root)
