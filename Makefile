@@ -42,8 +42,11 @@ $(VBIN)/.installed: pyproject.toml
 
 vllm-setup: $(VBIN)/.installed  ## create .venv-vllm: avrid with vLLM's CPU build (~1 GB)
 
+# A run refuses to start over an earlier run's outputs (it would overwrite them), so a second
+# `make demo` continues the first from its last checkpoint (a finished run just re-exports).
+DEMO_OUT := runs/tiny_ppo
 demo: setup  ## the main job: `avrid ppo` (PPO on CPU, a few minutes)
-	$(BIN)/avrid ppo
+	$(BIN)/avrid ppo --out $(DEMO_OUT) $(if $(wildcard $(DEMO_OUT)/checkpoints/latest),--resume)
 
 lint: setup  ## style and the layer import contract
 	$(BIN)/ruff check avrid chapters tests benchmarks
