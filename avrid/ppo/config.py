@@ -312,10 +312,12 @@ class TrainConfig:
     """Also log to tensorboard (needs `pip install tensorboard`)."""
     wandb_project: str | None = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
-    call_timeout_s: float = 1800.0
+    call_timeout_s: float = 3600.0
     """Longest wait for one worker call (one phase on one group: generate, reward, an update,
     a checkpoint gather). Past it the run stops with an error naming the role, the rank, the
-    method and the wait, instead of hanging on a stuck reward function or worker."""
+    method and the wait, instead of hanging on a stuck reward function or worker. Generous by
+    default (long chains of thought on a big model generate for many minutes); lower it for
+    small runs, where a phase takes seconds."""
     setup_timeout_s: float = 900.0
     """Longest wait for the workers to start and build their models (a vLLM engine or a large
     checkpoint takes minutes on a busy machine)."""
