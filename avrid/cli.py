@@ -161,13 +161,28 @@ def _ppo(args: argparse.Namespace) -> None:
         _fail("avrid ppo", e, debug=args.debug)
     except KeyboardInterrupt:
         # The trainer has already stopped its workers; the checkpoints on disk are whole.
-        print(f"\navrid ppo: interrupted; resume with `avrid ppo --resume --out "
-              f"{config.train.out_dir}` (same preset and --set options)", file=sys.stderr)
+        print(f"\navrid ppo: interrupted; {_after_interrupt(config.train.out_dir)}",
+              file=sys.stderr)
         sys.exit(130)
     print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; validation "
           f"reward {summary.initial_val_reward:.3f} -> {summary.final_val_reward:.3f}; "
           f"outputs in {summary.out_dir}/ (the policy in Hugging Face format: "
           f"{summary.out_dir}/export/)")
+
+
+def _after_interrupt(out_dir: str) -> str:
+    """What an interrupted run can do next: resume from its last checkpoint, if it has one."""
+    from avrid.ppo.checkpoint import latest_checkpoint
+
+    try:
+        latest = latest_checkpoint(Path(out_dir) / "checkpoints")
+    except (OSError, ValueError):  # a damaged pointer: `--resume` will say what to do
+        latest = None
+    if latest is None:
+        return (f"no checkpoint was written yet, so there is nothing to resume; start again "
+                f"with another (or an emptied) --out than {out_dir}")
+    return (f"the last checkpoint is {latest}; continue with `avrid ppo --resume --out "
+            f"{out_dir}` and the same preset and --set options")
 
 
 def _fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:
