@@ -58,6 +58,7 @@ def test_a_killed_rank_is_reported_naming_its_method_and_cleanup_does_not_hide_i
     assert err.value.role == "critic" and err.value.rank == 1
     assert err.value.reason == "died" and err.value.method == "compute_values"
     assert "close" not in str(err.value).splitlines()[0]
+    print(f"killed rank reported and the run stopped {elapsed:.2f} s after the kill")
     assert elapsed < 10.0, f"the death took {elapsed:.1f} s to surface"
 
 
@@ -79,6 +80,7 @@ def test_a_rank_failing_while_its_peer_waits_in_a_collective_is_reported_at_once
     elapsed = time.monotonic() - started  # the error, the kill of the rest and the exit
     assert (err.value.role, err.value.rank, err.value.method) == ("critic", 1, "update")
     assert "NoneType" in err.value.headline  # the remote exception's own message
+    print(f"failing rank reported and the run stopped {elapsed:.2f} s after the call")
     assert elapsed < 10.0, f"took {elapsed:.1f} s"
 
 
@@ -130,10 +132,7 @@ def test_the_command_reports_a_hung_reward_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     ours = [ln for ln in done.stderr.splitlines() if ln.startswith("avrid ppo:")]
     assert len(ours) == 1 and "reward[0].score() timeout" in ours[0], done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    debug = subprocess.run([sys.executable, "-m", "avrid.cli", *args, "--debug"], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=150)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    assert "Traceback" not in done.stderr, done.stderr  # (--debug: test_cli_errors.py)
 
 
 def test_one_ctrl_c_stops_an_in_process_run_stuck_in_a_worker(tmp_path: Path) -> None:
