@@ -11,15 +11,17 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from avrid.ppo.advantages import check_mask, gae, grpo_advantages, kl_penalized_rewards, whiten
 from avrid.ppo.losses import (
     AGG_MODES,
     KL_KINDS,
     aggregate,
-    entropy_loss,
     kl_estimate,
     policy_loss,
+    token_weights,
     value_loss,
 )
 
@@ -218,10 +220,24 @@ def test_aggregate_nothing_valid_is_zero_with_grad():
         x.grad = None
 
 
-def test_entropy_loss_is_aggregate():
-    # seq-mean-token-mean: (mean(1, 2, 3) + 4) / 2 = 3.
-    assert float(entropy_loss(T([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]]), MASK_31,
-                              "seq-mean-token-mean")) == pytest.approx(3.0)
+@settings(max_examples=100)
+@given(data=st.data())
+def test_token_weights_summed_over_any_split_of_the_rows_give_the_aggregate(
+        data: st.DataObject) -> None:
+    # The DP identity: each rank weights its rows with the WHOLE batch's counts; the sum over
+    # ranks (and micro-batches) of sum(w * L) is the aggregated loss of the batch, every mode.
+    rows, width = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 6))
+    lens = data.draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows))
+    mask = torch.arange(width)[None, :] < T(lens)[:, None]
+    loss = torch.randn(rows, width, generator=torch.Generator().manual_seed(sum(lens)))
+    mode, norm_len = data.draw(st.sampled_from(AGG_MODES)), data.draw(st.integers(1, 9))
+    cuts = sorted(data.draw(st.lists(st.integers(0, rows), max_size=4)))
+    tokens, seqs = int(mask.sum()), int((mask.sum(1) > 0).sum())
+    total = sum(float((loss[a:b] * token_weights(mask[a:b], mode, tokens=tokens, seqs=seqs,
+                                                 norm_len=norm_len)).sum())
+                for a, b in zip([0, *cuts], [*cuts, rows], strict=True))
+    want = float(aggregate(loss, mask, mode, norm_len=norm_len))
+    assert total == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 # ---------------------------------------------------------------- policy loss

@@ -7,7 +7,7 @@ What a policy or critic worker does with a shard, as functions of (model, micro-
   log-probs inside the PPO loss;
 - `response_values`: the critic's value at the position that predicts each response token;
 - `train_shard`: the one loop both updates share — zero grads, forward/backward every
-  micro-batch with the loss weighted by GLOBAL denominators (`batching.loss_weights`), clip
+  micro-batch with the loss weighted by GLOBAL denominators (`losses.token_weights`), clip
   the global gradient norm, step. Gradient accumulation over micro-batches and the FSDP
   reduce-scatter over ranks then give exactly the mini-batch's loss gradient.
 
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from avrid.dispatch import Batch, Shard
-from avrid.ppo.batching import ModelInputs, loss_weights, model_inputs
+from avrid.ppo.batching import ModelInputs, model_inputs
 from avrid.ppo.logprobs import entropy_from_logits, logprobs_from_logits
+from avrid.ppo.losses import token_weights
 from avrid.results import ResultBuilder
 
 
@@ -107,9 +108,11 @@ def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
             x = model_inputs(mb, pad_id)
             # A left-out sample's tokens weigh 0 (and `Totals` did not count them).
             mask = x.response_mask * sample_loss_mask(mb)[:, None]
-            w = loss_weights(mask, agg, global_tokens=totals.tokens,
-                             global_seqs=totals.seqs, norm_len=totals.norm_len,
-                             world_size=world_size)
+            # The WHOLE mini-batch's counts (`losses.token_weights`), so the sum over
+            # micro-batches and ranks is the mini-batch's loss. FSDP averages gradients over
+            # ranks: times world_size turns that average back into the sum.
+            w = token_weights(mask, agg, tokens=totals.tokens, seqs=totals.seqs,
+                              norm_len=totals.norm_len) * world_size
             loss = loss_fn(x, mb, w, builder)
             loss.backward()
         # An update returns no columns, but the canonical result still accounts for every

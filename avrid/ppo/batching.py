@@ -1,4 +1,4 @@
-"""Chapter 5 — from a packed micro-batch to model inputs and back, and global loss weights.
+"""Chapter 5 — from a packed micro-batch to model inputs and back.
 
 Dispatch moves packed rows (chapter 2); a transformers model wants a right-padded
 (n, longest) tensor. This file does the two conversions every worker needs:
@@ -9,11 +9,8 @@ Dispatch moves packed rows (chapter 2); a transformers model wants a right-padde
   ``P + j - 1``. Position ids start at 0 at each row's first token, like the rollout engine's.
 - `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
 
-And the one piece of arithmetic that makes data-parallel training exact: `loss_weights`.
-Each worker only sees its shard, yet the loss must be the mini-batch's loss (a token mean over
-ALL tokens, not the mean of per-worker means). So each token's loss is weighted by 1 / the
-GLOBAL denominator and the workers' gradients are summed. FSDP averages gradients over ranks,
-so the weights are multiplied by the world size to turn that average back into a sum.
+The loss weights that make data-parallel training exact are the RL math's
+(`losses.token_weights`); `actor.train_shard` applies them.
 """
 
 from __future__ import annotations
@@ -94,30 +91,3 @@ def packed(values: torch.Tensor, mask: torch.Tensor) -> Packed:
     offsets = torch.zeros(len(values) + 1, dtype=torch.int64)
     torch.cumsum(keep.sum(1), 0, out=offsets[1:])
     return Packed(values=values[keep], offsets=offsets)
-
-
-def loss_weights(mask: torch.Tensor, mode: str, *, global_tokens: int, global_seqs: int,
-                 norm_len: int | None, world_size: int) -> torch.Tensor:
-    """Per-token weights w such that ``sum(w * token_loss)`` summed over all ranks (FSDP
-    averages, hence the ``* world_size``) equals `losses.aggregate(..., mode)` of the whole
-    mini-batch. ``global_*`` count the mini-batch's valid tokens / sequences on all ranks.
-
-    Example (token-mean over 4 tokens on 1 rank: each token weighs 1/4):
-        >>> loss_weights(torch.ones(1, 4), "token-mean", global_tokens=4, global_seqs=1,
-        ...              norm_len=None, world_size=1).tolist()
-        [[0.25, 0.25, 0.25, 0.25]]
-    """
-    mask = mask.float()
-    if mode == "token-mean":
-        w = mask / max(global_tokens, 1)
-    elif mode == "seq-mean-token-sum":
-        w = mask / max(global_seqs, 1)
-    elif mode == "seq-mean-token-mean":
-        w = mask / mask.sum(1, keepdim=True).clamp(min=1) / max(global_seqs, 1)
-    elif mode == "seq-mean-token-sum-norm":
-        if not norm_len:
-            raise ValueError("loss mode 'seq-mean-token-sum-norm' needs norm_len")
-        w = mask / (norm_len * max(global_seqs, 1))
-    else:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}")
-    return w * world_size

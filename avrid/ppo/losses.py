@@ -1,18 +1,20 @@
 """Chapter 5 — the PPO/GRPO losses: clipped policy surrogate, clipped value loss, KL estimators,
-and the one function that turns a (B, T) loss matrix into the scalar that is backpropagated.
+and the one definition of how a (B, T) loss matrix becomes the scalar that is backpropagated.
 
-Every loss here is first computed per token, then reduced by `aggregate`. The reduction is not
-a detail: token-mean, seq-mean-token-mean and Dr.GRPO's seq-mean-token-sum-norm weight long and
-short responses differently, and that changes what the model learns. It is one argument
-(`agg`) so that experiments can switch it.
+Every loss here is first computed per token, then reduced with `token_weights`, the one
+definition of the four aggregation modes (`aggregate` applies them to one matrix). The
+reduction is not a detail: token-mean, seq-mean-token-mean and Dr.GRPO's
+seq-mean-token-sum-norm weight long and short responses differently, and that changes what the
+model learns. It is one config field (`algo.loss_agg`) so that experiments can switch it.
 
 Conventions are those of `advantages.py`: right-padded (B, T) tensors over response tokens, a
 `mask` (bool or 0/1) for the valid ones, float32 math, padding never read. The ratio
 exp(logp - old_logp) needs the two log-probabilities computed the same way: both come from
 `logprobs.logprobs_from_logits` (and entropies from `logprobs.entropy_from_logits`).
 
-Aggregation is per call. Averaging the losses of several micro-batches is the caller's job
-(and is only exact when the micro-batches hold equal token / sequence counts).
+A worker sees only its micro-batches of a mini-batch, so it weights each token with the WHOLE
+mini-batch's counts (`token_weights`); the sum over micro-batches and ranks is then exactly
+the mini-batch's loss (`actor.train_shard`).
 
 Which KL estimator where (d = log pi - log ref on tokens sampled from pi; Schulman 2020;
 Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"):
@@ -103,23 +105,60 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     return (torch.exp(neg) - neg - 1.0).clamp(max=_MAX_K3)
 
 
+def token_weights(mask: torch.Tensor, mode: str, *, tokens: int, seqs: int,
+                  norm_len: int | None = None) -> torch.Tensor:
+    """The one definition of the aggregation modes: (B, T) weights w such that sum(w * L),
+    added up over every part of a batch, is that batch's loss in `mode`. With L_it the loss,
+    n_i row i's valid count, N = `tokens` (all valid tokens of the batch) and S = `seqs`
+    (its rows that have any):
+
+        token-mean               w_it = 1 / N                     every token weighs the same
+        seq-mean-token-sum       w_it = 1 / S                     long rows weigh more
+        seq-mean-token-mean      w_it = 1 / (n_i S)               every row weighs the same
+        seq-mean-token-sum-norm  w_it = 1 / (norm_len S)          Dr.GRPO: a constant divisor
+
+    (0 on padding). Because N and S are the WHOLE batch's counts, the weights of a row do not
+    depend on which other rows share its micro-batch or its data-parallel rank: each worker
+    weights its own rows, and the sum over workers is exactly the batch's loss, not a mean of
+    per-worker means. `aggregate` is the same weights applied to one (B, T) matrix.
+
+    norm_len is Dr.GRPO's constant, normally the maximum response length; it must stay fixed
+    through training. (Older verl divided the sum over ROWS by the padded width instead; that
+    differs from this by the constant factor B, which the learning rate absorbs.)
+
+    Example (two rows split over two workers: their weighted sums add up to the mean):
+        >>> m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        >>> [token_weights(m, "seq-mean-token-mean", tokens=4, seqs=2)[i].tolist()
+        ...  for i in (0, 1)]
+        [[0.1666666716337204, 0.1666666716337204, 0.1666666716337204], [0.5, 0.0, 0.0]]
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
+    if norm_len is not None and (isinstance(norm_len, bool) or not isinstance(norm_len, Integral)
+                                 or norm_len < 1):
+        raise ValueError(f"norm_len must be an int >= 1, got {norm_len!r}")
+    if mode == "seq-mean-token-sum-norm" and norm_len is None:
+        raise ValueError("norm_len is required for mode 'seq-mean-token-sum-norm' "
+                         "(the fixed maximum response length)")
+    m = mask.float()
+    if mode == "token-mean":
+        return m / max(tokens, 1)
+    if mode == "seq-mean-token-sum":
+        return m / max(seqs, 1)
+    if mode == "seq-mean-token-mean":
+        return m / m.sum(1, keepdim=True).clamp(min=1) / max(seqs, 1)
+    return m / (int(norm_len) * max(seqs, 1))
+
+
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
               norm_len: int | None = None) -> torch.Tensor:
-    """Reduce a per-token loss matrix to a scalar. With L_it the loss, n_i row i's valid count:
-
-        token-mean               sum_i sum_t L_it / sum_i n_i     every token weighs the same
-        seq-mean-token-sum       mean_i  sum_t L_it               long rows weigh more
-        seq-mean-token-mean      mean_i (sum_t L_it / n_i)        every row weighs the same (GRPO)
-        seq-mean-token-sum-norm  mean_i (sum_t L_it / norm_len)   Dr.GRPO: a constant divisor
+    """Reduce one per-token loss matrix to a scalar: sum(L * `token_weights`), with the
+    matrix's own counts (see there for the four modes).
 
     Rows with no valid token are left out of the mean over rows (they have no loss to give, and
     counting them would shrink the loss according to how many empty rows a batch happens to
     hold). If nothing at all is valid the result is 0, still attached to the graph, so that
     backward() works and gives zero gradients.
-
-    norm_len is Dr.GRPO's constant, normally the maximum response length; it must stay fixed
-    through training. (Older verl divided the sum over ROWS by the padded width instead; that
-    differs from this by the constant factor B, which the learning rate absorbs.)
 
     Args:
         loss_mat: (B, T) per-token losses.
@@ -136,29 +175,13 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
         >>> [float(aggregate(loss, mask, m, norm_len=4)) for m in AGG_MODES]
         [2.5, 5.0, 3.0, 1.25]
     """
-    if mode not in AGG_MODES:
+    if mode not in AGG_MODES:  # before the mask: the clearer error first
         raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
-    if norm_len is not None and (isinstance(norm_len, bool) or not isinstance(norm_len, Integral)
-                                 or norm_len < 1):
-        raise ValueError(f"norm_len must be an int >= 1, got {norm_len!r}")
-    if mode == "seq-mean-token-sum-norm" and norm_len is None:
-        raise ValueError("norm_len is required for mode 'seq-mean-token-sum-norm' "
-                         "(the fixed maximum response length)")
     m = check_mask(mask, loss_mat.shape)
     x = _check_like("loss_mat", loss_mat, m)
-    if mode == "token-mean":
-        return x.sum() / m.sum().clamp(min=1)
-    n_tok = m.sum(dim=1)          # (B,)
-    row_sum = x.sum(dim=1)        # (B,)
-    if mode == "seq-mean-token-sum":
-        per_row = row_sum
-    elif mode == "seq-mean-token-mean":
-        per_row = row_sum / n_tok.clamp(min=1)
-    else:
-        per_row = row_sum / int(norm_len)
-    has_tokens = n_tok > 0
-    # Empty rows have per_row = 0 already; they only have to leave the denominator.
-    return per_row.sum() / has_tokens.sum().clamp(min=1)
+    w = token_weights(m, mode, tokens=int(m.sum()), seqs=int((m.sum(1) > 0).sum()),
+                      norm_len=norm_len)
+    return (x * w).sum()
 
 
 def _token_frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -319,26 +342,3 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return ValueLossOut(loss=aggregate(per_token, m, agg, norm_len=norm_len),
                         clip_frac=_token_frac(clip_flags, m),
                         per_token=torch.where(m, per_token, 0.0), clipped=clip_flags & m)
-
-
-def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", *,
-                 norm_len: int | None = None) -> torch.Tensor:
-    """Aggregated entropy; the caller SUBTRACTS coef * this from the loss to reward exploration.
-
-    Per-token entropies come from `logprobs.entropy_from_logits`; this only reduces them the
-    same way as the policy loss, so the bonus and the surrogate are on the same scale.
-
-    Args:
-        entropy: (B, T) per-token entropies (nats).
-        mask: (B, T) valid response tokens.
-        agg: one of AGG_MODES; norm_len: see `aggregate`.
-
-    Returns:
-        0-d float32 tensor.
-
-    Example:
-        >>> ent, mask = torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1, 1, 0]])
-        >>> float(entropy_loss(ent, mask))  # (1 + 3) / 2: the padded 9 is never read
-        2.0
-    """
-    return aggregate(entropy, mask, agg, norm_len=norm_len)
