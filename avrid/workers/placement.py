@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from avrid.workers.errors import PlacementError
 from avrid.workers.mesh import Mesh
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""How a pool's bundles are laid over nodes (Ray's placement-group strategies)."""
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 _EPS = 1e-9  # fractional shares such as 3 x 1/3 must still fit in 1 GPU
 
 
