@@ -1,5 +1,8 @@
 """Rollout engines on CPU: the torch engine's log-probs are the trainer's, sampling is seeded,
-stops and weight loads behave, and the tiny models are built reproducibly."""
+stops and weight loads behave, and the tiny models are built reproducibly.
+
+"The trainer's" log-probs are computed by the code training runs (`batching.model_inputs`,
+`actor.response_logprobs`: `tests.helpers.trainer_logprobs`), not by a copy of it."""
 
 from __future__ import annotations
 
@@ -8,25 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from avrid.ppo.actor import forward, response_logprobs, response_values
+from avrid.ppo.batching import model_inputs
 from avrid.ppo.logprobs import logprobs_from_logits
 from avrid.ppo.models import (
     TinyModelSpec,
     build_tiny_critic,
     build_tiny_policy,
-    critic_values,
     load_critic,
     load_policy,
     pad_left,
-    pad_right,
-    policy_logits,
 )
-from avrid.ppo.rollout import (
-    Completion,
-    RolloutEngine,
-    SamplingParams,
-    TorchEngine,
-    trainer_logprobs,
-)
+from avrid.ppo.rollout import Completion, RolloutEngine, SamplingParams, TorchEngine
+from tests.helpers import trainer_batch, trainer_logprobs
 
 SPEC = TinyModelSpec(vocab_size=16, num_kv_heads=2)  # grouped-query attention on purpose
 PAD, STOP = 0, 15
@@ -45,7 +42,7 @@ def engine(policy: torch.nn.Module) -> TorchEngine:
 
 def max_gap(policy: torch.nn.Module, prompts: list[list[int]], done: list[Completion],
             temperature: float) -> float:
-    ref = trainer_logprobs(policy, prompts, done, temperature=temperature, pad_token_id=PAD)
+    ref = trainer_logprobs(policy, prompts, done, temperature=temperature, pad_id=PAD)
     return max(float((torch.tensor(c.logprobs) - r).abs().max()) for c, r in zip(done, ref,
                                                                                  strict=True))
 
@@ -212,21 +209,27 @@ def test_tiny_policy_is_reproducible_and_leaves_the_global_rng_alone() -> None:
         build_tiny_policy(SPEC, seed=0, eos_token_id=16)
 
 
-def test_critic_values_and_policy_logits_shapes() -> None:
+def test_trainer_forward_shapes_for_the_policy_and_the_critic() -> None:
+    x = model_inputs(trainer_batch([[1, 2], [5]], [[3, 4], [6]]), PAD)  # (2, 4) right-padded
     critic = build_tiny_critic(SPEC, seed=0)
-    ids, mask, pos = pad_right([[1, 2, 3, 4], [5, 6]], pad_id=PAD)
-    values = critic_values(critic, ids, mask, pos)
-    assert values.shape == (2, 4) and values.dtype == torch.float32
+    values = response_values(critic, x)
+    assert values.shape == (2, 2) and values.dtype == torch.float32
     policy = build_tiny_policy(SPEC, seed=0)
-    assert policy_logits(policy, ids, mask, pos).shape == (2, 4, 16)
+    assert forward(policy, x).shape == (2, 4, 16)
+    logp, entropy = response_logprobs(policy, x, 1.0, with_entropy=True)
+    assert logp.shape == entropy.shape == (2, 2)
 
 
-def test_left_and_right_padding_give_real_tokens_the_same_values() -> None:
-    # Position ids count from each row's first real token, so padding side does not matter.
+def test_engine_left_padding_and_trainer_right_padding_give_the_same_values() -> None:
+    # Position ids count from each row's first real token, so the engine's left padding
+    # (`pad_left`) and the trainer's right padding (`model_inputs`) see the same numbers.
     critic = build_tiny_critic(SPEC, seed=0)
     seqs = [[1, 2, 3, 4, 5], [6, 7]]
-    left = critic_values(critic, *pad_left(seqs, PAD))
-    right = critic_values(critic, *pad_right(seqs, PAD))
+    ids, mask, pos = pad_left(seqs, PAD)
+    with torch.no_grad():
+        left = critic(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      use_cache=False).logits.squeeze(-1)
+        right = forward(critic, model_inputs(trainer_batch(seqs, [[], []]), PAD)).squeeze(-1)
     assert torch.allclose(left[1, 3:], right[1, :2], atol=1e-5)
     assert torch.allclose(left[0], right[0], atol=1e-5)
 
@@ -234,12 +237,12 @@ def test_left_and_right_padding_give_real_tokens_the_same_values() -> None:
 def test_save_and_load_round_trip(tmp_path: Path, policy: torch.nn.Module) -> None:
     policy.save_pretrained(tmp_path)
     loaded = load_policy(tmp_path)
-    ids, mask, pos = pad_left(PROMPTS, PAD)
-    assert torch.equal(policy_logits(loaded, ids, mask, pos), policy_logits(policy, ids, mask,
-                                                                            pos))
-    critic = load_critic(tmp_path)  # decoder from the checkpoint, a fresh score head
+    x = model_inputs(trainer_batch(PROMPTS, [[3, 4, 5]] * len(PROMPTS)), PAD)
+    with torch.no_grad():
+        assert torch.equal(forward(loaded, x), forward(policy, x))
+        critic = load_critic(tmp_path)  # decoder from the checkpoint, a fresh score head
+        assert response_values(critic, x).shape == x.response_ids.shape
     assert torch.equal(critic.model.embed_tokens.weight, policy.model.embed_tokens.weight)
-    assert critic_values(critic, ids, mask, pos).shape == ids.shape
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_policy(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="nowhere"):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from avrid.ppo.models import load_policy
-from avrid.ppo.rollout import SamplingParams, trainer_logprobs
+from avrid.ppo.rollout import SamplingParams
+from tests.helpers import trainer_logprobs
 from tests.test_ppo_vllm import DEVICE, PAD, PROMPTS, save_policy
 
 pytestmark = [pytest.mark.vllm]
@@ -29,7 +30,7 @@ def test_bfloat16_logprobs_match_the_trainer(tmp_path: Path) -> None:
     finally:
         eng.close()
     policy = load_policy(tmp_path, dtype=torch.bfloat16).to(DEVICE)
-    ref = trainer_logprobs(policy, PROMPTS, done, temperature=0.7, pad_token_id=PAD)
+    ref = trainer_logprobs(policy, PROMPTS, done, temperature=0.7, pad_id=PAD)
     gaps = torch.cat([(torch.tensor(c.logprobs, device=DEVICE) - r.float()).abs()
                       for c, r in zip(done, ref, strict=True)])
     # Two bf16 implementations (vLLM's CPU kernels, transformers' eager attention) round

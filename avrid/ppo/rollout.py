@@ -8,9 +8,11 @@ both share a GPU.
 - `TorchEngine`: the transformers model itself with a hand-written sampling loop (prompt
   pass, then one token at a time through the KV cache). Slow, but every step is visible, and
   it runs on CPU: it is the engine of the tests and the reference for `vllm_engine.VllmEngine`.
-- `trainer_logprobs`: what the actor recomputes in training (one padded full-sequence pass,
-  no cache). The rollout's log-probs must match it for the same weights; the tests pin the
-  gap, and the PPO loop logs it as `rollout/logprob_gap`.
+
+An engine's log-probs must equal, for the same weights, what the actor recomputes in
+training: one right-padded full-sequence pass, no cache (`batching.model_inputs`, then
+`actor.response_logprobs`). The tests pin the gap against that very code, and the PPO loop
+logs it every step as `rollout/logprob_gap`.
 
 Not here: tokenization, rewards, the vLLM engine (`vllm_engine`), batching across workers.
 """
@@ -224,36 +226,3 @@ class TorchEngine:
             return
         self.model.to(self._awake_device)
         self._awake_device = None
-
-
-def trainer_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
-                     completions: Sequence[Completion | Sequence[int]], *,
-                     temperature: float, pad_token_id: int = 0) -> list[torch.Tensor]:
-    """Recompute each completion's token log-probs the way the actor does in training: one
-    full-sequence forward pass over the left-padded prompt + completion, no KV cache, the
-    same position ids as the engine (0 at each row's first real token).
-
-    Returns: one (len(completion),) float32 tensor per prompt, on the model's device.
-
-    Example:
-        >>> from avrid.ppo.models import TinyModelSpec, build_tiny_policy
-        >>> policy = build_tiny_policy(TinyModelSpec(vocab_size=16), seed=0)
-        >>> [lp] = trainer_logprobs(policy, [[1, 2]], [[3, 4, 5]], temperature=1.0)
-        >>> tuple(lp.shape), bool((lp < 0).all())
-        ((3,), True)
-    """
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    gens = [tuple(c.token_ids) if isinstance(c, Completion) else tuple(c)
-            for c in completions]
-    device = next(model.parameters()).device
-    ids, mask, pos = (t.to(device) for t in pad_left(
-        [list(p) + list(g) for p, g in zip(prompts, gens, strict=True)], pad_token_id))
-    with torch.inference_mode():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                       use_cache=False).logits
-        # Position t predicts token t+1: score each row's last len(g) tokens from the
-        # logits one column to their left.
-        lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
-    width = ids.shape[1]
-    return [lp[i, width - 1 - len(g):].clone() for i, g in enumerate(gens)]
