@@ -238,3 +238,45 @@ class ReshardWorker(Worker):
                     expected_slice_checksums(plan.source, plan.target, src, shards))
         finally:
             self.destroy_distributed()
+
+
+def trainer_batch(prompts: Any, responses: Any) -> Any:
+    """Prompt + response token rows as the `Batch` the trainer builds (`data.with_responses`):
+    one "tokens" row per sample, prompt then response, and the two lengths."""
+    import torch
+
+    from avrid.dispatch import Batch
+
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    rows = [torch.tensor([*p, *r], dtype=torch.int64) for p, r in zip(prompts, responses,
+                                                                     strict=True)]
+    return Batch.from_rows(sample_ids=range(len(rows)), prompt_lens=[len(p) for p in prompts],
+                           response_lens=[len(r) for r in responses], packed={"tokens": rows})
+
+
+def trainer_logprobs(model: Any, prompts: Any, completions: Any, *, temperature: float,
+                     pad_id: int) -> list:
+    """Each completion's token log-probs the way training computes them: the code of
+    `PolicyWorker.compute_logprobs` (`batching.model_inputs`, then `actor.response_logprobs`,
+    under no_grad) on the batch `trainer_batch` builds. A parity test that compares a rollout
+    engine with this compares it with the path training uses, not with a copy of it.
+
+    `completions`: `rollout.Completion`s or token lists. Returns one (len,) tensor per row,
+    on the model's device (`model_inputs` builds on CPU; the inputs are moved to the model,
+    which may be on CUDA in the vLLM tests)."""
+    import dataclasses
+
+    import torch
+
+    from avrid.ppo.actor import response_logprobs
+    from avrid.ppo.batching import model_inputs
+
+    responses = [tuple(getattr(c, "token_ids", c)) for c in completions]
+    x = model_inputs(trainer_batch(prompts, responses), pad_id)
+    device = next(model.parameters()).device
+    x = dataclasses.replace(x, **{f.name: getattr(x, f.name).to(device)
+                                  for f in dataclasses.fields(x)})
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, x, temperature)
+    return [logp[i, :len(r)].clone() for i, r in enumerate(responses)]

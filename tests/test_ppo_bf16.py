@@ -53,14 +53,14 @@ def test_a_tiny_lr_step_moves_the_fp32_masters_and_the_bf16_engine(
     cfg = tiny(tmp_path, "train.actor_lr=1e-6", "train.critic_lr=1e-6")
     with Trainer(cfg) as trainer:
         trainer.start()
-        before = trainer.policy.call(PolicyWorker.state)[0]["weights"]
+        before = trainer.policy.call(PolicyWorker.state)[0].weights
         engine_before = trainer.policy.call(PolicyWorker.engine_weights)[0]
         trainer.train_step(0)
         state = trainer.policy.call(PolicyWorker.state)[0]
-        after = state["weights"]
+        after = state.weights
         engine_after = trainer.policy.call(PolicyWorker.engine_weights)[0]
     assert {t.dtype for t in after.values()} == {torch.float32}
-    moments = [v for s in state["optimizer"]["state"].values() for v in s.values()
+    moments = [v for s in state.optimizer["state"].values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0]
     assert moments and {v.dtype for v in moments} == {torch.float32}
     # Every element with a gradient moves (AdamW's first step is ~lr * sign(grad)); only

@@ -21,8 +21,7 @@ from avrid.ppo.actor import Totals, response_values
 from avrid.ppo.batching import model_inputs, padded
 from avrid.ppo.critic_worker import CriticWorker
 from avrid.ppo.losses import value_loss
-from avrid.ppo.models import build_tiny_critic
-from avrid.ppo.policy_worker import tiny_spec
+from avrid.ppo.models import build_tiny_critic, tiny_spec
 from avrid.workers import WorkerIdentity
 from avrid.workers.identity import Rendezvous
 from avrid.workers.outcome import free_port
@@ -45,8 +44,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         warnings.simplefilter("always")
         worker = CriticWorker(identity, config=cfg, vocab_size=VOCAB, pad_id=PAD)
         worker.setup()
-        sharded = any(hasattr(p, "full_tensor") for p in worker.critic.parameters())
-        worker.optimizer = GradRecorder(worker.critic)
+        sharded = any(hasattr(p, "full_tensor") for p in worker.model.parameters())
+        worker.optimizer = GradRecorder(worker.model)
         worker.compute_values(shard)
         worker.update(shard, totals=Totals.of(batch, NORM_LEN))
         worker.close()

@@ -21,8 +21,7 @@ from avrid.ppo import export as export_module
 from avrid.ppo.checkpoint import load_checkpoint, save_checkpoint
 from avrid.ppo.config import PPOConfig, with_overrides
 from avrid.ppo.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
-from avrid.ppo.models import ATTN_IMPLEMENTATION, TinyModelSpec, build_tiny_policy
-from avrid.ppo.policy_worker import tiny_spec
+from avrid.ppo.models import ATTN_IMPLEMENTATION, TinyModelSpec, build_tiny_policy, tiny_spec
 from avrid.ppo.presets import preset
 from avrid.ppo.run import config_dict, train
 from avrid.ppo.tokenizer import CharTokenizer

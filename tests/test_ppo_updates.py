@@ -19,8 +19,8 @@ from avrid.ppo.batching import model_inputs, packed, padded
 from avrid.ppo.config import PPOConfig, with_overrides
 from avrid.ppo.critic_worker import CriticWorker
 from avrid.ppo.losses import AGG_MODES, value_loss
-from avrid.ppo.models import build_tiny_critic
-from avrid.ppo.policy_worker import PolicyWorker, tiny_spec
+from avrid.ppo.models import build_tiny_critic, tiny_spec
+from avrid.ppo.policy_worker import PolicyWorker
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder
 
@@ -65,7 +65,7 @@ def identity(role: str) -> WorkerIdentity:
 def critic_grads(cfg: PPOConfig, batch: Batch) -> dict[str, torch.Tensor]:
     worker = CriticWorker(identity("critic"), config=cfg, vocab_size=VOCAB, pad_id=PAD)
     worker.setup()
-    worker.optimizer = GradRecorder(worker.critic)
+    worker.optimizer = GradRecorder(worker.model)
     worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN))
     return worker.optimizer.grads
 
@@ -76,13 +76,13 @@ def actor_grads(cfg: PPOConfig, batch: Batch) -> dict[str, torch.Tensor]:
     worker.setup()
     with torch.no_grad():  # ratio 1 and a reference a little off: every loss term has grad
         x = model_inputs(batch, PAD)
-        logp, _ = response_logprobs(worker.actor, x, cfg.rollout.temperature)
+        logp, _ = response_logprobs(worker.model, x, cfg.rollout.temperature)
     mask = x.response_mask.bool()
     columns = {"old_logp": logp, "ref_logp": logp - 0.3}
     batch = Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
                   response_lens=batch.response_lens, scalars=batch.scalars,
                   packed={**batch.packed, **{k: packed(v, mask) for k, v in columns.items()}})
-    worker.optimizer = GradRecorder(worker.actor)
+    worker.optimizer = GradRecorder(worker.model)
     worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN))
     return worker.optimizer.grads
 

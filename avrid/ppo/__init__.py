@@ -10,6 +10,7 @@ Read in this order:
                                tasks.py + gsm8k.py (prompts and rewards), tokenizer.py
 3. models and generation:      models.py, rollout.py (TorchEngine), vllm_engine.py (vLLM)
 4. inside the workers:         batching.py, actor.py, fsdp.py, weight_sync.py,
+                               trained_worker.py (what actor and critic share),
                                policy_worker.py (actor + reference + rollout), critic_worker.py,
                                reward_worker.py
 5. the driver:                 roles.py (placement), data.py, trainer.py (the loop),

@@ -18,7 +18,7 @@ so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and 
 ``avrid.ppo.tokenizer.load_tokenizer("char:" + alphabet)``, or by its ``id_to_token`` table.
 
 Where the architecture comes from: a tiny model (``model.path`` unset) is rebuilt from the saved
-config (`policy_worker.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
+config (`models.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
 eos/pad ids; a pretrained one (``model.path``) keeps that checkpoint's own ``config.json``. The
 tokenizer is described by a `tokenizer_record`, which `run.save` puts in each checkpoint's
 state.json; for a checkpoint without one the tokenizer is rebuilt from the saved config.
@@ -48,9 +48,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint, savable
 from avrid.ppo.config import PPOConfig
-from avrid.ppo.models import tiny_config
+from avrid.ppo.models import tiny_config, tiny_spec
 from avrid.ppo.outdir import fsync_dir, move_into_place, write_file  # checkpoints' atomic writes
-from avrid.ppo.policy_worker import tiny_spec
 from avrid.ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -143,7 +142,7 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
 
     Args:
         dest: the export directory; must not exist or be empty unless `overwrite`.
-        weights: parameter name -> tensor, as `PolicyWorker.state` gathers them.
+        weights: parameter name -> tensor, as `Trainer.state` gathers them.
         config: the run's config as `run.config_dict` makes it (state.json's "config").
         tokenizer: a `tokenizer_record`.
         overwrite: replace a non-empty `dest` (the old one is removed only once the new one

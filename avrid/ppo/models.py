@@ -1,4 +1,5 @@
-"""Chapter 5 — building and loading the policy and critic, and batching token lists for them.
+"""Chapter 5 — building and loading the policy and critic, and left-padding prompts for the
+rollout engine.
 
 The policy is a causal LM (logits per position); the critic is the same decoder with a
 one-output head (a value per position). Both are plain transformers Qwen2 models, so the
@@ -6,13 +7,15 @@ tiny random CPU model of the tests has the architecture and the parameter names 
 preset (Qwen2.5-0.5B-Instruct), and weight syncs, vLLM's name mapping and the TP layouts of
 chapter 4 see the same names on both.
 
-`pad_left` / `pad_right` fix the one convention rollout and trainer must share for their
-log-probs to agree: position ids count from 0 at each row's first real token, whatever the
-padding, so a row's numbers do not depend on the batch it was padded into. (With RoPE a
-shifted numbering changes the result by rounding only, since attention sees relative
-offsets, but the tests pin the gap near 1e-6 and a shift can run past `max_positions`.)
+`pad_left` (the engine's prompt batch) keeps the one convention rollout and trainer must
+share for their log-probs to agree: position ids count from 0 at each row's first real token,
+whatever the padding, as `batching.model_inputs` (the trainer's right-padded batch) counts
+them, so a row's numbers do not depend on the batch it was padded into. (With RoPE a shifted
+numbering changes the result by rounding only, since attention sees relative offsets, but
+the tests pin the gap near 1e-6 and a shift can run past `max_positions`.)
 
-Not here: sampling (`rollout`), the RL math (`logprobs`), optimisers, FSDP wrapping, tokenizers.
+Not here: sampling (`rollout`), the trainer's forward passes (`batching`, `actor`), the RL
+math (`logprobs`), optimisers, FSDP wrapping, tokenizers.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2ForTokenClassification,
 )
+
+from avrid.ppo.config import PPOConfig
 
 # eager, because it makes the rollout's log-probs closest to the trainer's on CPU: the engine
 # decodes one query at a time through the KV cache, the trainer runs the whole sequence, and
@@ -198,28 +203,6 @@ def _local(path: str | Path) -> str:
     return str(p)
 
 
-def policy_logits(policy: torch.nn.Module, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L, vocab) logits of a full-sequence forward pass (no KV cache)."""
-    return policy(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids, use_cache=False).logits
-
-
-def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L) float32 values, one per position, from a one-label token classifier.
-
-    Example:
-        >>> critic = build_tiny_critic(TinyModelSpec(vocab_size=16), seed=0)
-        >>> ids, mask, pos = pad_left([[1, 2, 3], [4]], pad_id=0)
-        >>> tuple(critic_values(critic, ids, mask, pos).shape)
-        (2, 3)
-    """
-    out = critic(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False).logits
-    return out.squeeze(-1).float()
-
-
 def pad_left(prompts: Sequence[Sequence[int]],
              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-pad token lists into a batch: real tokens end at the last column (where a
@@ -231,42 +214,30 @@ def pad_left(prompts: Sequence[Sequence[int]],
         >>> ids.tolist(), mask.tolist(), pos.tolist()
         ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
     """
-    return _pad(prompts, pad_id, left=True)
-
-
-def pad_right(seqs: Sequence[Sequence[int]],
-              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad token lists: (input_ids, attention_mask, position_ids), each (B, L).
-
-    Example:
-        >>> ids, mask, pos = pad_right([[5, 6], [8]], pad_id=0)
-        >>> ids.tolist(), mask.tolist(), pos.tolist()
-        ([[5, 6], [8, 0]], [[1, 1], [1, 0]], [[0, 1], [0, 0]])
-    """
-    return _pad(seqs, pad_id, left=False)
-
-
-def _pad(seqs: Sequence[Sequence[int]], pad_id: int,
-         left: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not seqs:
+    if not prompts:
         raise ValueError("nothing to pad: no sequences")
-    if any(len(s) == 0 for s in seqs):
+    if any(len(p) == 0 for p in prompts):
         raise ValueError("every sequence needs at least one token")
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        cols = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, cols] = torch.as_tensor(list(s), dtype=torch.long)
-        mask[i, cols] = 1
-    return ids, mask, position_ids_from_mask(mask)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    # Count real tokens from 0 (the trainer's numbering); pads get 0, they are never attended.
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    return ids, mask, positions
 
 
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) positions counting from 0 at each row's first real token; 0 at pads.
+def tiny_spec(config: PPOConfig, vocab_size: int) -> TinyModelSpec:
+    """The tiny model's shape from the config's `model` section (policy and critic share it).
 
     Example:
-        >>> position_ids_from_mask(torch.tensor([[0, 1, 1], [1, 1, 0]])).tolist()
-        [[0, 0, 1], [0, 1, 0]]
+        >>> spec = tiny_spec(PPOConfig(), vocab_size=16)
+        >>> spec.intermediate_size == 2 * spec.hidden_size, spec.num_kv_heads == spec.num_heads
+        (True, True)
     """
-    return ((mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long())
+    m = config.model
+    return TinyModelSpec(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                         intermediate_size=2 * m.hidden_size, num_layers=m.num_layers,
+                         num_heads=m.num_heads, num_kv_heads=m.num_heads)

@@ -5,15 +5,19 @@ data-parallel rank, so their weights never cross a process boundary except insid
 group, and the GPU (on CUDA) is shared by taking turns — the engine sleeps while the actor
 trains. Per rank:
 
-- the actor: the trained policy, FSDP2-sharded over the group (`fsdp.py`), with AdamW; its
-  parameters and optimizer state are always fp32 (with `model.dtype=bfloat16` it computes in
-  bf16 through FSDP2's mixed precision, over a 1-rank group when dp = 1);
+- the actor (`self.model`): the trained policy, FSDP2-sharded over the group (`fsdp.py`),
+  with AdamW; its parameters and optimizer state are always fp32 (with
+  `model.dtype=bfloat16` it computes in bf16 through FSDP2's mixed precision, over a 1-rank
+  group when dp = 1);
 - the reference: a frozen copy of the initial policy, built only when a KL term is used, held
   in `model.dtype` (it is never updated, so it needs no fp32 master copy);
 - the rollout engine: a full, unsharded copy in `model.dtype` that generates
   (`rollout.TorchEngine` or `vllm_engine.VllmEngine`), refreshed from the actor by
   `sync_weights` (chapter 4), which casts the fp32 shards to the engine's dtype.
 
+The actor's scaffolding (process group, build or load, FSDP2, AdamW, checkpoint state) is
+`TrainedWorker`'s, shared with the critic; this file adds what is the policy's own: the
+reference and the engine, generation, log-probs, the policy loss and the weight sync.
 Every data method takes a `Shard` and returns a chapter 3 `WorkerResult`, so the driver
 dispatches with `run_shards` and merges without caring how the rank walked its shard.
 The driver (`trainer.py`) decides the order of calls; nothing here keeps hidden state
@@ -34,94 +38,74 @@ from avrid.ppo.actor import Totals, response_logprobs, train_shard
 from avrid.ppo.batching import ModelInputs, model_inputs, padded
 from avrid.ppo.config import PPOConfig
 from avrid.ppo.losses import kl_estimate, policy_loss
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy, load_policy
+from avrid.ppo.models import build_tiny_policy, load_policy, tiny_spec
 from avrid.ppo.rollout import SamplingParams, TorchEngine
-from avrid.ppo.weight_sync import WeightSync
+from avrid.ppo.trained_worker import TrainedWorker
+from avrid.ppo.weight_sync import SyncReport, WeightSync
 from avrid.reshard.engines import TorchEngineSink
 from avrid.results import ResultBuilder, WorkerResult
-from avrid.workers import Worker, WorkerIdentity
+from avrid.workers import WorkerIdentity
 
 
-def tiny_spec(config: PPOConfig, vocab_size: int) -> TinyModelSpec:
-    """The tiny model's shape from the config (policy and critic share it)."""
-    m = config.model
-    return TinyModelSpec(vocab_size=vocab_size, hidden_size=m.hidden_size,
-                         intermediate_size=2 * m.hidden_size, num_layers=m.num_layers,
-                         num_heads=m.num_heads, num_kv_heads=m.num_heads)
-
-
-class PolicyWorker(Worker):
-    """One data-parallel rank of the policy: actor + reference + rollout engine."""
+class PolicyWorker(TrainedWorker):
+    """One data-parallel rank of the policy: actor (`self.model`) + reference + rollout engine."""
 
     def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
                  eos_id: int, pad_id: int, stop_ids: tuple[int, ...] = (),
                  max_response_tokens: int) -> None:
-        super().__init__(identity)
-        self.config, self.vocab_size, self.eos_id, self.pad_id = config, vocab_size, eos_id, pad_id
+        # strict_load=False: a checkpoint holds `named_parameters`, which list a tied LM head
+        # (`tie_word_embeddings`, e.g. Qwen2.5-0.5B) once, under the embedding's name only.
+        super().__init__(identity, config=config, vocab_size=vocab_size, pad_id=pad_id,
+                         lr=config.train.actor_lr, strict_load=False)
+        self.eos_id = eos_id
         # Every id that ends a response (a chat model's generation config may list several).
         self.stop_ids = tuple(dict.fromkeys((eos_id, *stop_ids)))
         # The one response budget: the engine's context (prompt cap + this) is sized from it.
         self.max_response = max_response_tokens
         self._engine_dir: str | None = None
-        self.device = config.placement.device
-        torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
 
     def setup(self, weights: dict[str, torch.Tensor] | None = None,
               optimizer_state: dict | None = None) -> int:
-        """Build (or restore) the models, shard the actor, make the engine; all ranks at once.
-        Returns the number of actor parameters."""
-        cfg, ident = self.config, self.identity
-        # `model.dtype` is the compute (and engine) dtype; the trained weights are fp32 masters.
-        dtype = getattr(torch, cfg.model.dtype)
-        group = None
-        # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
-        if ident.world_size > 1 or fsdp.mixed_precision(dtype):
-            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
-        if cfg.model.path is None:  # every rank builds the same weights from the same seed
-            model = build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
-                                      eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                                      dtype=torch.float32)
-        else:
-            model = load_policy(cfg.model.path, dtype=torch.float32)
-        if weights is not None:  # resuming: the checkpoint's full weights
-            model.load_state_dict(weights, strict=False)
-        model.to(self.device)
-        # The reference is the policy as it was at step 0, built only when a KL term is used.
-        self.reference = self._initial_policy(dtype) if cfg.algo.kl_coef > 0 else None
-        self.engine = self._make_engine(model)
+        """`TrainedWorker.setup` (the actor; the reference and the engine are made on the way,
+        by `_before_shard`), then the engine's first weight sync; all ranks at once. Returns
+        the number of actor parameters."""
+        count = super().setup(weights, optimizer_state)
+        ident = self.identity
+        # Whole-tensor shapes: a sharded parameter (DTensor) reports its global shape.
         shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                  for n, p in model.named_parameters()}
-        # eval(): dropout off, so the old-logp pass and the update see the same function.
-        self.actor = fsdp.shard_model(model.eval(), group, ident.world_size, self.device,
-                                      compute_dtype=dtype)
-        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.train.actor_lr,
-                                           weight_decay=cfg.train.weight_decay,
-                                           betas=(0.9, 0.99))
-        if optimizer_state is not None:
-            fsdp.load_optimizer_state(self.optimizer, optimizer_state)
-        self.sync = WeightSync(fsdp.local_shards(self.actor), shapes, rank=ident.rank,
-                               world_size=ident.world_size, engine_dtype=dtype)
+                  for n, p in self.model.named_parameters()}
+        self.sync = WeightSync(fsdp.local_shards(self.model), shapes, rank=ident.rank,
+                               world_size=ident.world_size, engine_dtype=self.dtype)
         # Before any generation the engine must hold exactly the actor's weights (a resumed
         # run's included; vLLM starts from random ones): one fingerprint-checked sync now.
         self.sync_weights()
-        return sum(p.numel() for p in model.parameters())
+        return count
 
-    def _initial_policy(self, dtype: torch.dtype) -> torch.nn.Module:
+    def _build_model(self) -> torch.nn.Module:
+        """The fp32 policy as at step 0: the tiny random one from the run's seed (the same on
+        every rank), or the local checkpoint `model.path`. Builds the actor and the reference."""
         cfg = self.config
-        # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
         if cfg.model.path is None:
-            model = build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
-                                      eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                                      dtype=torch.float32)
-        else:
-            model = load_policy(cfg.model.path, dtype=torch.float32)
-        model = fsdp.cast_parameters(model, dtype)
+            return build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
+                                     eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                                     dtype=torch.float32)
+        return load_policy(cfg.model.path, dtype=torch.float32)
+
+    def _before_shard(self, model: torch.nn.Module) -> None:
+        """The reference and the rollout engine, made while the actor's model is whole."""
+        # The reference is the policy as it was at step 0, built only when a KL term is used.
+        self.reference = self._initial_policy() if self.config.algo.kl_coef > 0 else None
+        self.engine = self._make_engine(model)
+
+    def _initial_policy(self) -> torch.nn.Module:
+        # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
+        model = fsdp.cast_parameters(self._build_model(), self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
 
     def _engine_copy(self, model: torch.nn.Module) -> torch.nn.Module:
         """The rollout engine's own copy of the (fp32) actor model, its parameters in the
         engine's dtype (`model.dtype`); fp32 leaves the copy as it is."""
-        return fsdp.cast_parameters(copy.deepcopy(model), getattr(torch, self.config.model.dtype))
+        return fsdp.cast_parameters(copy.deepcopy(model), self.dtype)
 
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
         if self.config.rollout.engine == "vllm":
@@ -193,7 +177,7 @@ class PolicyWorker(Worker):
     def compute_logprobs(self, shard: Shard, *, reference: bool = False) -> WorkerResult:
         """Log-probs of every response token under the actor ("old_logp", with the entropy
         metric) or the reference ("ref_logp")."""
-        model = self.reference if reference else self.actor
+        model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: it is built only when algo.kl_coef > 0")
         name = "ref_logp" if reference else "old_logp"
@@ -219,7 +203,7 @@ class PolicyWorker(Worker):
         need_entropy = a.entropy_coef > 0
 
         def loss_fn(x: ModelInputs, mb, w: torch.Tensor, b: ResultBuilder) -> torch.Tensor:
-            logp, ent = response_logprobs(self.actor, x, self.config.rollout.temperature,
+            logp, ent = response_logprobs(self.model, x, self.config.rollout.temperature,
                                           with_entropy=need_entropy)
             mask = x.response_mask
             out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"), mask,
@@ -238,28 +222,22 @@ class PolicyWorker(Worker):
                 loss = loss - a.entropy_coef * (ent * w).sum()
             return loss
 
-        train_shard(self.actor, self.optimizer, shard, builder, loss_fn, pad_id=self.pad_id,
+        train_shard(self.model, self.optimizer, shard, builder, loss_fn, pad_id=self.pad_id,
                     agg=a.loss_agg, totals=totals, world_size=self.identity.world_size,
                     grad_clip=self.config.train.grad_clip, prefix="actor")
         return builder.build()
 
-    # ---- weight sync, checkpoints ----------------------------------------------------------
+    # ---- weight sync, checks ---------------------------------------------------------------
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self) -> SyncReport:
         """Actor shards -> this rank's engine (chapter 4), fingerprint-checked."""
         self.engine.wake()
         sink = (self.engine.sink if self.config.rollout.engine == "vllm"
                 else TorchEngineSink(self.engine.model))
         group = self.process_group if self.identity.world_size > 1 else None
-        report = self.sync.run(fsdp.local_shards(self.actor), sink, group, self.device)
+        report = self.sync.run(fsdp.local_shards(self.model), sink, group, self.device)
         self.engine.sleep()
-        return {"bytes": float(report.bytes_moved), "seconds": report.seconds}
-
-    def state(self) -> dict:
-        """Full actor weights (rank 0 only, others None) and this rank's optimizer state."""
-        full = fsdp.full_state_dict(self.actor)  # a collective: every rank takes part
-        return {"weights": full if self.identity.rank == 0 else None,
-                "optimizer": fsdp.optimizer_state(self.optimizer)}
+        return report
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the torch rollout engine's parameters and buffers (for checks: what
@@ -279,4 +257,4 @@ class PolicyWorker(Worker):
         finally:
             if self._engine_dir is not None:
                 shutil.rmtree(self._engine_dir, ignore_errors=True)
-            self.destroy_distributed()
+            super().close()

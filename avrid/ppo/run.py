@@ -56,12 +56,10 @@ from avrid.ppo.checkpoint import (
     save_checkpoint,
 )
 from avrid.ppo.config import PPOConfig
-from avrid.ppo.critic_worker import CriticWorker
 from avrid.ppo.export import export_checkpoint, tokenizer_record
 from avrid.ppo.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
 from avrid.ppo.outdir import OutDirError, OutDirLock, preflight, remove_stale_temp_dirs
 from avrid.ppo.plots import write_plots
-from avrid.ppo.policy_worker import PolicyWorker
 from avrid.ppo.reward_worker import response_text
 from avrid.ppo.trainer import Trainer
 
@@ -171,24 +169,18 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
 
 
 def save(trainer: Trainer, root: Path, step: int) -> Path:
-    """Gather weights (rank 0) and per-rank optimizer states, write them atomically."""
+    """The trainer's state (`Trainer.state`: full weights, per-rank optimizer states) and
+    the run's position, written atomically."""
     cfg = trainer.config
-    weights, optimizers = {}, {}
-    roles: list[tuple[str, Any, Any]] = [("actor", trainer.policy, PolicyWorker.state)]
-    if trainer.critic is not None:
-        roles.append(("critic", trainer.critic, CriticWorker.state))
-    for name, group, method in roles:
-        states = group.call(method)
-        weights[name] = states[0]["weights"]
-        optimizers[name] = [s["optimizer"] for s in states]
+    models = trainer.state()
     # Every random draw of the loop is seeded from (train.seed, step), so the step IS the RNG
     # state and the data position; the driver's global RNGs are saved too (and restored on
     # resume) for code that draws from them, e.g. a plug-in task's reward.
     state = {"step": step, "data_position": step * cfg.train.prompts_per_step,
              "rng": {"seed": cfg.train.seed, "derived_from": "(seed, step)"},
              "config": config_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
-    return save_checkpoint(root, step, weights=weights, optimizers=optimizers, state=state,
-                           extra=rng_states(), keep_last=cfg.train.keep_checkpoints)
+    return save_checkpoint(root, step, weights=models.weights, optimizers=models.optimizers,
+                           state=state, extra=rng_states(), keep_last=cfg.train.keep_checkpoints)
 
 
 def rng_states() -> dict[str, Any]:

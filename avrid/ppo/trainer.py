@@ -49,6 +49,7 @@ from avrid.ppo.reward_worker import TRAIN, VAL, RewardWorker
 from avrid.ppo.roles import build_placement
 from avrid.ppo.tasks import Task, load_task
 from avrid.ppo.tokenizer import Tokenizer, load_tokenizer
+from avrid.ppo.trained_worker import TrainedWorker, TrainerState
 from avrid.results import Merged, Span, Timeline, run_shards
 from avrid.workers import Cluster, InProcessBackend, PlacementPlan
 
@@ -122,6 +123,15 @@ class Trainer:
             pending.append(group.submit_per_rank(setup, [weights.get(name)] * n, opt))
         for p in pending:  # both groups initialise at once (their process groups form)
             p.result(t.setup_timeout_s)
+
+    def state(self) -> TrainerState:
+        """Every trained model's full weights and each of its ranks' optimizer states, for a
+        checkpoint. A collective: every rank of the trained groups takes part."""
+        trained = [("actor", self.policy)] + ([] if self.critic is None
+                                              else [("critic", self.critic)])
+        states = {name: group.call(TrainedWorker.state) for name, group in trained}
+        return TrainerState(weights={n: s[0].weights for n, s in states.items()},
+                            optimizers={n: [r.optimizer for r in s] for n, s in states.items()})
 
     def close(self, *, failed: bool = False) -> None:
         """Stop the workers. After a clean run every rank leaves its process group (all ranks
@@ -204,7 +214,7 @@ class Trainer:
                 sync = self.policy.call(PolicyWorker.sync_weights)
         metrics = self._metrics(batch, [gen, scored, old, *updates], phases)
         if step >= cfg.train.critic_warmup_steps:
-            metrics["sync/bytes_per_rank"] = max(s["bytes"] for s in sync)
+            metrics["sync/bytes_per_rank"] = float(max(s.bytes_moved for s in sync))
         self.timeline = phases.timeline()
         return metrics, batch
 

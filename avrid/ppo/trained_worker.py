@@ -1,0 +1,130 @@
+"""Chapter 5 — `TrainedWorker`: what every rank of an FSDP-trained role does the same way.
+
+The actor (`PolicyWorker`) and the critic (`CriticWorker`) are trained alike. Each rank joins
+the role's process group when it needs one, builds (or loads) its model — every rank the
+same weights —, takes a checkpoint's weights when resuming, shards the model with FSDP2
+(`fsdp.py`), makes AdamW over its shards, restores a checkpoint's optimizer state, and later
+hands its state to a checkpoint (`state`) and leaves the group (`close`). That scaffolding is
+written once, here, in `setup`; a subclass adds only what is its own:
+
+- `_build_model`: the role's fp32 model as it is at step 0 (the tiny random one from the
+  run's seed, or a local checkpoint);
+- `_before_shard`: what it needs from the whole model before FSDP2 shards it in place (the
+  policy copies it into its rollout engine); nothing by default;
+- its data methods and its loss.
+
+Parameters and AdamW state are always fp32; `model.dtype` is the compute dtype (bf16 through
+FSDP2's mixed precision, which needs a process group even for one rank; see `fsdp.py`).
+
+The state a checkpoint keeps travels as two frozen messages: `ModelState`, what one rank's
+`state` returns, and `TrainerState`, what the driver (`Trainer.state`) gathers from every
+trained role and `run.save` writes. A checkpoint needs the weights once (after the gather
+they are whole on every rank, so rank 0's copy is enough) but every rank's optimizer state
+(AdamW's moments are sharded like the parameters, each rank holding its 1/dp).
+
+Not here: the losses, the micro-batch loop (`actor.train_shard`), the weight sync, writing
+and reading checkpoints (`checkpoint.py`), and anything the driver decides (when to update,
+when to save).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from avrid.ppo import fsdp
+from avrid.ppo.config import PPOConfig
+from avrid.workers import Worker, WorkerIdentity
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelState:
+    """One rank's share of a trained model's state."""
+
+    weights: dict[str, torch.Tensor] | None
+    """Every parameter whole, fp32, on the CPU (`fsdp.full_state_dict`) — on rank 0 only;
+    None on the others, which take part in the gather but need not ship a second copy."""
+    optimizer: dict[str, Any]
+    """This rank's AdamW state, its tensors this rank's local shards
+    (`fsdp.optimizer_state`; `fsdp.load_optimizer_state` puts it back)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerState:
+    """Every trained model's state, per model name ("actor", and "critic" for PPO)."""
+
+    weights: dict[str, dict[str, torch.Tensor]]
+    """Model name -> its full weights (rank 0's `ModelState.weights`)."""
+    optimizers: dict[str, list[dict[str, Any]]]
+    """Model name -> every rank's optimizer state, in rank order (a resumed run needs the
+    same number of ranks)."""
+
+
+class TrainedWorker(Worker, abc.ABC):
+    """One data-parallel rank of a model trained with FSDP2 and AdamW.
+
+    After `setup`, `self.model` is this rank's (sharded) model and `self.optimizer` its AdamW.
+    """
+
+    def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
+                 pad_id: int, lr: float, strict_load: bool = True) -> None:
+        """`lr`: the role's learning rate; `strict_load=False` lets a checkpoint's weights
+        leave out parameters the model has (a tied LM head, saved once under the embedding's
+        name: see `PolicyWorker`)."""
+        super().__init__(identity)
+        self.config, self.vocab_size, self.pad_id = config, vocab_size, pad_id
+        self.lr, self.strict_load = lr, strict_load
+        self.device = config.placement.device
+        # `model.dtype` is the compute dtype; the trained weights are fp32 masters.
+        self.dtype: torch.dtype = getattr(torch, config.model.dtype)
+        torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
+
+    def setup(self, weights: dict[str, torch.Tensor] | None = None,
+              optimizer_state: dict | None = None) -> int:
+        """Build the model (or restore it from a checkpoint's `weights` and this rank's
+        `optimizer_state`), shard it, make its AdamW; all ranks at once. Returns the number
+        of parameters."""
+        ident = self.identity
+        group = None
+        # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
+        if ident.world_size > 1 or fsdp.mixed_precision(self.dtype):
+            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
+        model = self._build_model()
+        if weights is not None:  # resuming: the checkpoint's full weights
+            model.load_state_dict(weights, strict=self.strict_load)
+        model.to(self.device)
+        count = sum(p.numel() for p in model.parameters())
+        self._before_shard(model)
+        # eval(): dropout off, so the old-logp or values pass and the update see the same
+        # function (transformers' token classifier, the critic, has a 0.1 dropout before its
+        # head; RL fine-tuning turns it off so a forward pass is a function of the weights).
+        self.model = fsdp.shard_model(model.eval(), group, ident.world_size, self.device,
+                                      compute_dtype=self.dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
+                                           weight_decay=self.config.train.weight_decay,
+                                           betas=(0.9, 0.99))
+        if optimizer_state is not None:
+            fsdp.load_optimizer_state(self.optimizer, optimizer_state)
+        return count
+
+    @abc.abstractmethod
+    def _build_model(self) -> torch.nn.Module:
+        """The role's fp32 model as it is at step 0, on the CPU; every rank must build the
+        same weights (a seed from the config, or the same local checkpoint)."""
+
+    def _before_shard(self, model: torch.nn.Module) -> None:
+        """Called once with the whole model (on its device, weights restored) just before
+        FSDP2 shards it in place: the moment to copy anything out of it. Nothing here."""
+
+    def state(self) -> ModelState:
+        """Full weights (rank 0 only, others None) and this rank's optimizer state."""
+        full = fsdp.full_state_dict(self.model)  # a collective: every rank takes part
+        return ModelState(weights=full if self.identity.rank == 0 else None,
+                          optimizer=fsdp.optimizer_state(self.optimizer))
+
+    def close(self) -> None:
+        """Leave the process group (all ranks at once)."""
+        self.destroy_distributed()
