@@ -20,7 +20,7 @@ from avrid.dispatch import DispatchConfig, make_plan
 from avrid.ppo.actor import Totals, response_values
 from avrid.ppo.batching import model_inputs, padded
 from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.losses import value_loss
+from avrid.ppo.losses import aggregate, value_loss
 from avrid.ppo.models import build_tiny_critic, tiny_spec
 from avrid.workers import WorkerIdentity
 from avrid.workers.identity import Rendezvous
@@ -66,10 +66,9 @@ def test_fsdp2_critic_warns_nothing_and_its_gradients_match_one_process(tmp_path
     batch = make_batch()
     ref = build_tiny_critic(tiny_spec(cfg, VOCAB), seed=cfg.train.seed + 1)
     x = model_inputs(batch, PAD)
-    loss = value_loss(response_values(ref, x), padded(batch, "values"), padded(batch, "returns"),
-                      x.response_mask, clip=cfg.algo.value_clip, agg=AGG,
-                      norm_len=NORM_LEN).loss
-    loss.backward()
+    out = value_loss(response_values(ref, x), padded(batch, "values"), padded(batch, "returns"),
+                     x.response_mask, clip=cfg.algo.value_clip)
+    aggregate(out.per_token, x.response_mask, AGG, norm_len=NORM_LEN).backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
     for got in ranks:
         assert got["grads"].keys() == want.keys()

@@ -61,8 +61,7 @@ def update(batch: Batch, dp: int, budget: int, agg: str) -> tuple[float, dict]:
                     model: torch.nn.Module = model) -> torch.Tensor:
             logp, _ = response_logprobs(model, x, 1.0)
             out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"),
-                              x.response_mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0,
-                              agg=agg, norm_len=NORM_LEN)
+                              x.response_mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
             return (out.per_token * w).sum()
 
         train_shard(model, recorder, shard, builder, loss_fn, pad_id=0, agg=agg,

@@ -37,6 +37,11 @@ def close(actual: torch.Tensor, expected, tol: float = 1e-4) -> None:
     assert torch.allclose(actual.detach().float(), want, atol=tol, rtol=0.0), (actual, want)
 
 
+def frac(flags: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of valid tokens where `flags` is set (a clip fraction)."""
+    return float(flags.sum() / mask.bool().sum())
+
+
 def poison(x: torch.Tensor, mask: torch.Tensor, value: float = 1e9) -> torch.Tensor:
     """x with every padding position replaced by `value`."""
     return torch.where(mask.bool(), x, T(value))
@@ -247,18 +252,18 @@ def test_policy_loss_clipped_and_unclipped_branches_with_grads():
     # old_logp = 0, A = 1, ratios 1.5 and 0.9, clip 0.2 / 0.2:
     #   token 0: max(-1.5, -1.2) = -1.2  (clipped: 1.5 -> 1.2, gradient 0)
     #   token 1: max(-0.9, -0.9) = -0.9  (inside the range, d/dlogp = -A*ratio = -0.9)
-    #   token-mean = -1.05; grads / 2 tokens = [0, -0.45]; clip_frac = 1/2
-    #   approx_kl = mean(old - logp) = (-ln 1.5 - ln 0.9) / 2 = (-0.405465 + 0.105361) / 2
+    #   token-mean = -1.05; grads / 2 tokens = [0, -0.45]; clip fraction 1/2
     lp = torch.log(T([[1.5, 0.9]])).requires_grad_()
-    out = policy_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+    mask = torch.ones(1, 2)
+    out = policy_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), mask,
                       clip_low=0.2, clip_high=0.2)
-    assert out.loss.item() == pytest.approx(-1.05, abs=1e-5)
-    assert float(out.clip_frac) == 0.5 and float(out.dual_clip_frac) == 0.0
-    assert float(out.approx_kl) == pytest.approx(-0.150052, abs=1e-5)
-    assert float(out.ratio_max) == pytest.approx(1.5, abs=1e-5)
-    out.loss.backward()
+    close(out.per_token, [[-1.2, -0.9]])
+    loss = aggregate(out.per_token, mask, "token-mean")
+    assert loss.item() == pytest.approx(-1.05, abs=1e-5)
+    assert out.clipped.tolist() == [[True, False]] and not out.dual_clipped.any()
+    loss.backward()
     close(lp.grad, [[0.0, -0.45]])
-    assert not out.clip_frac.requires_grad and not out.approx_kl.requires_grad
+    assert not out.clipped.requires_grad
 
 
 def test_policy_loss_negative_advantage_lower_clip_and_asymmetric_high():
@@ -268,8 +273,9 @@ def test_policy_loss_negative_advantage_lower_clip_and_asymmetric_high():
     lp = torch.log(T([[0.5, 1.25]]))
     out = policy_loss(lp, torch.zeros(1, 2), T([[-1.0, 1.0]]), torch.ones(1, 2),
                       clip_low=0.2, clip_high=0.28)
-    assert out.loss.item() == pytest.approx(-0.225, abs=1e-5)
-    assert float(out.clip_frac) == 0.5
+    assert aggregate(out.per_token, ONES3[:, :2], "token-mean").item() == pytest.approx(
+        -0.225, abs=1e-5)
+    assert out.clipped.tolist() == [[True, False]]
 
 
 def test_dual_clip_caps_negative_advantage_only():
@@ -279,10 +285,12 @@ def test_dual_clip_caps_negative_advantage_only():
     # with dual clip: (3 - 1.2) / 2 = 0.9; without: (5 - 1.2) / 2 = 1.9.
     lp, old, adv = torch.log(T([[5.0, 5.0]])), torch.zeros(1, 2), T([[-1.0, 1.0]])
     kw = dict(clip_low=0.2, clip_high=0.2)
-    out = policy_loss(lp, old, adv, torch.ones(1, 2), dual_clip=3.0, **kw)
-    assert out.loss.item() == pytest.approx(0.9, abs=1e-5)
-    assert float(out.dual_clip_frac) == 0.5 and float(out.clip_frac) == 0.5
-    assert float(policy_loss(lp, old, adv, torch.ones(1, 2), **kw).loss) == pytest.approx(1.9)
+    mask = torch.ones(1, 2)
+    out = policy_loss(lp, old, adv, mask, dual_clip=3.0, **kw)
+    assert aggregate(out.per_token, mask, "token-mean").item() == pytest.approx(0.9, abs=1e-5)
+    assert out.dual_clipped.tolist() == [[True, False]] and frac(out.clipped, mask) == 0.5
+    plain = policy_loss(lp, old, adv, mask, **kw)
+    assert float(aggregate(plain.per_token, mask, "token-mean")) == pytest.approx(1.9)
 
 
 def test_policy_loss_padding_is_never_read_and_grads_stay_finite():
@@ -292,9 +300,9 @@ def test_policy_loss_padding_is_never_read_and_grads_stay_finite():
     lp_bad = poison(lp, MASK_31).requires_grad_()
     out = policy_loss(lp_bad, poison(old, MASK_31, -1e9), poison(adv, MASK_31), MASK_31,
                       clip_low=0.2, clip_high=0.3, dual_clip=3.0)
-    for field in ("loss", "clip_frac", "dual_clip_frac", "approx_kl", "ratio_max"):
+    for field in ("per_token", "clipped", "dual_clipped"):
         assert torch.equal(getattr(ref, field), getattr(out, field)), field
-    out.loss.backward()
+    aggregate(out.per_token, MASK_31, "token-mean").backward()
     assert torch.isfinite(lp_bad.grad).all() and (lp_bad.grad[1, 1:] == 0).all()
 
 
@@ -305,16 +313,18 @@ def test_value_loss_clipping_hand_values_and_grads():
     # values 2, old 1, clip 0.2 -> v_clip = 1.2.
     #   R = 1.5: (2-1.5)^2 = 0.25 vs (1.2-1.5)^2 = 0.09 -> 0.5*0.25 = 0.125, unclipped
     #   R = 3:   (2-3)^2   = 1    vs (1.2-3)^2   = 3.24 -> 0.5*3.24 = 1.62,  clipped
-    #   token-mean = 0.8725, clip_frac 1/2; grad = [(2 - 1.5) / 2, 0] = [0.25, 0]
+    #   token-mean = 0.8725, clip fraction 1/2; grad = [(2 - 1.5) / 2, 0] = [0.25, 0]
     #   no clip: 0.5 * (0.25 + 1) / 2 = 0.3125
     v = T([[2.0, 2.0]], requires_grad=True)
     old, ret, mask = torch.ones(1, 2), T([[1.5, 3.0]]), torch.ones(1, 2)
     out = value_loss(v, old, ret, mask, clip=0.2)
-    assert out.loss.item() == pytest.approx(0.8725) and float(out.clip_frac) == 0.5
-    out.loss.backward()
+    loss = aggregate(out.per_token, mask, "token-mean")
+    assert loss.item() == pytest.approx(0.8725) and frac(out.clipped, mask) == 0.5
+    loss.backward()
     close(v.grad, [[0.25, 0.0]])
     plain = value_loss(v, old, ret, mask, clip=None)
-    assert plain.loss.item() == pytest.approx(0.3125) and float(plain.clip_frac) == 0.0
+    assert aggregate(plain.per_token, mask, "token-mean").item() == pytest.approx(0.3125)
+    assert not plain.clipped.any()
 
 
 def test_value_loss_every_aggregation_mode():
@@ -327,16 +337,17 @@ def test_value_loss_every_aggregation_mode():
             "seq-mean-token-sum-norm": 1.875}
     assert set(want) == set(AGG_MODES)
     for mode, expected in want.items():
-        out = value_loss(v, v, torch.zeros(2, 3), MASK_31, clip=None, agg=mode, norm_len=4)
-        assert float(out.loss) == pytest.approx(expected), mode
+        out = value_loss(v, v, torch.zeros(2, 3), MASK_31, clip=None)
+        assert float(aggregate(out.per_token, MASK_31, mode, norm_len=4)) == pytest.approx(
+            expected), mode
 
 
 def test_value_loss_padding_is_never_read():
     v, old, ret = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]), torch.zeros(2, 3), torch.ones(2, 3)
-    a = value_loss(v, old, ret, MASK_31, clip=0.5, agg="seq-mean-token-mean")
+    a = value_loss(v, old, ret, MASK_31, clip=0.5)
     b = value_loss(poison(v, MASK_31), poison(old, MASK_31, -1e9), poison(ret, MASK_31),
-                   MASK_31, clip=0.5, agg="seq-mean-token-mean")
-    assert torch.equal(a.loss, b.loss) and torch.equal(a.clip_frac, b.clip_frac)
+                   MASK_31, clip=0.5)
+    assert torch.equal(a.per_token, b.per_token) and torch.equal(a.clipped, b.clipped)
 
 
 # ---------------------------------------------------------------- argument validation
@@ -362,8 +373,6 @@ def test_value_loss_padding_is_never_read():
     (lambda: policy_loss(ONES3, ONES3, ONES3, ONES3, clip_low=0.2, clip_high=0.0), "clip_high"),
     (lambda: policy_loss(ONES3, ONES3, ONES3, ONES3, clip_low=0.2, clip_high=0.2,
                          dual_clip=1.0), "dual_clip"),
-    (lambda: policy_loss(ONES3, ONES3, ONES3, ONES3, clip_low=0.2, clip_high=0.2, agg="sum"),
-     "mode"),
     (lambda: value_loss(ONES3, ONES3, ONES3, ONES3, clip=0.0), "clip"),
     (lambda: value_loss(ONES3, ONES3, torch.ones(2, 3), ONES3, clip=0.2), "returns"),
 ])

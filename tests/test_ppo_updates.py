@@ -18,7 +18,7 @@ from avrid.ppo.actor import Totals, response_logprobs, response_values
 from avrid.ppo.batching import model_inputs, packed, padded
 from avrid.ppo.config import PPOConfig, with_overrides
 from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.losses import AGG_MODES, value_loss
+from avrid.ppo.losses import AGG_MODES, aggregate, value_loss
 from avrid.ppo.models import build_tiny_critic, tiny_spec
 from avrid.ppo.policy_worker import PolicyWorker
 from avrid.workers import WorkerIdentity
@@ -104,8 +104,8 @@ def test_critic_update_works_in_every_aggregation_mode(mode: str) -> None:
     ref = build_tiny_critic(tiny_spec(cfg, VOCAB), seed=cfg.train.seed + 1)
     x = model_inputs(batch, PAD)
     out = value_loss(response_values(ref, x), padded(batch, "values"), padded(batch, "returns"),
-                     x.response_mask, clip=0.2, agg=mode, norm_len=NORM_LEN)
-    out.loss.backward()
+                     x.response_mask, clip=0.2)
+    aggregate(out.per_token, x.response_mask, mode, norm_len=NORM_LEN).backward()
     assert_same_grads(got, {n: p.grad for n, p in ref.named_parameters()})
 
 

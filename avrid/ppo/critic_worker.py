@@ -70,7 +70,7 @@ class CriticWorker(TrainedWorker):
             # norm_len: seq-mean-token-sum-norm needs it (the weights `w` carry the same
             # aggregation over the whole mini-batch; value_loss checks its arguments alike).
             out = value_loss(values, padded(mb, "values"), returns, x.response_mask,
-                             clip=a.value_clip, agg=a.loss_agg, norm_len=totals.norm_len)
+                             clip=a.value_clip)
             valid = x.response_mask.bool()
             b.metric("critic/vf_clipfrac", out.clipped[valid].float(), "mean_tokens")
             b.metric("critic/vf_error", (values.detach() - returns)[valid] ** 2, "mean_tokens")

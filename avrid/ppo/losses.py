@@ -190,48 +190,34 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
     return (x * w).sum()
 
 
-def _token_frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Share of valid tokens where flags is True (0 when nothing is valid), detached."""
-    return ((flags & m).sum() / m.sum().clamp(min=1)).float().detach()
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyLossOut:
-    """What `policy_loss` returns: the loss to backpropagate and detached diagnostics.
+    """What `policy_loss` returns: what the actor's update uses.
 
-    loss: 0-d, aggregated with `agg`. clip_frac: share of valid tokens where the clipped term
-    was the active one. dual_clip_frac: share where the dual-clip cap was (0 without dual clip).
-    approx_kl: mean over valid tokens of old_logp - logp, the k1 estimate of KL(pi_old || pi).
-    ratio_max: largest ratio over valid tokens (0 if there are none).
-    per_token: the (B, T) loss before aggregation (grad; 0 on padding) — a data-parallel
-    trainer weights it by GLOBAL denominators instead of aggregating per worker.
-    clipped: (B, T) bool, where the clipped term was the active one.
+    per_token: the (B, T) loss (grad; 0 on padding). The caller weights it with
+    `token_weights` (the whole mini-batch's counts) rather than averaging it here, so a
+    data-parallel update is exact; `aggregate(per_token, mask, mode)` is the loss of one batch.
+    clipped: (B, T) bool, where the clipped term was the active one (the clip fraction).
+    dual_clipped: (B, T) bool, where the dual-clip cap was (all False without dual clip).
     """
 
-    loss: torch.Tensor
-    clip_frac: torch.Tensor
-    dual_clip_frac: torch.Tensor
-    approx_kl: torch.Tensor
-    ratio_max: torch.Tensor
     per_token: torch.Tensor
     clipped: torch.Tensor
+    dual_clipped: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ValueLossOut:
-    """What `value_loss` returns. clip_frac: share of valid tokens where the clipped term won;
-    per_token: the (B, T) loss before aggregation (grad; 0 on padding); clipped: (B, T) bool."""
+    """What `value_loss` returns: the (B, T) `per_token` loss (grad; 0 on padding; weight it
+    as `PolicyLossOut.per_token`) and `clipped`, (B, T) bool, where the clipped term won."""
 
-    loss: torch.Tensor
-    clip_frac: torch.Tensor
     per_token: torch.Tensor
     clipped: torch.Tensor
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_low: float, clip_high: float,
-                dual_clip: float | None = None, agg: str = "token-mean",
-                norm_len: int | None = None) -> PolicyLossOut:
+                dual_clip: float | None = None) -> PolicyLossOut:
     """PPO's clipped surrogate (Schulman et al. 2017), with asymmetric and dual clipping.
 
         ratio_t = exp(logp_t - old_logp_t)
@@ -250,17 +236,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         advantages: (B, T) per-token advantages (from `gae` or `grpo_advantages`).
         mask: (B, T) valid response tokens.
         clip_low: in (0, 1). clip_high: > 0. dual_clip: > 1, or None for no dual clip.
-        agg: one of AGG_MODES; norm_len: see `aggregate`.
 
     Returns:
-        PolicyLossOut; only `loss` carries gradient.
+        PolicyLossOut; only `per_token` carries gradient.
 
     Example:
         >>> lp = torch.log(torch.tensor([[1.5, 0.9]]))  # ratios 1.5 and 0.9 (old_logp = 0)
         >>> out = policy_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
         ...                   clip_low=0.2, clip_high=0.2)
-        >>> round(float(out.loss), 4), float(out.clip_frac)  # (-1.2 + -0.9) / 2; 1.5 clipped
-        (-1.05, 0.5)
+        >>> out.per_token.tolist(), out.clipped.tolist()  # 1.5 is clipped to 1.2
+        ([[-1.2000000476837158, -0.8999999761581421]], [[True, False]])
     """
     if not 0.0 < clip_low < 1.0:
         raise ValueError(f"clip_low must be in (0, 1), got {clip_low}")
@@ -286,24 +271,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         per_token = torch.where(dual_flags, cap, per_token)
     else:
         dual_flags = torch.zeros_like(m)
-    n = m.sum().clamp(min=1)
-    with torch.no_grad():
-        approx_kl = torch.where(m, old - lp, 0.0).sum() / n
-        ratio_max = torch.where(m, ratio, 0.0).max() if m.numel() else ratio.new_zeros(())
-    return PolicyLossOut(
-        loss=aggregate(per_token, m, agg, norm_len=norm_len),
-        clip_frac=_token_frac(clip_flags, m),
-        dual_clip_frac=_token_frac(dual_flags, m),
-        approx_kl=approx_kl,
-        ratio_max=ratio_max,
-        per_token=torch.where(m, per_token, 0.0),
-        clipped=clip_flags & m,
-    )
+    return PolicyLossOut(per_token=torch.where(m, per_token, 0.0), clipped=clip_flags & m,
+                         dual_clipped=dual_flags & m)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, *, clip: float | None, agg: str = "token-mean",
-               norm_len: int | None = None) -> ValueLossOut:
+               mask: torch.Tensor, *, clip: float | None) -> ValueLossOut:
     """PPO's clipped value loss: the critic may move at most `clip` from its old prediction.
 
         v_clip_t = old_values_t + clamp(values_t - old_values_t, -clip, clip)
@@ -319,16 +292,15 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         returns: (B, T) targets, e.g. the returns of `gae`.
         mask: (B, T) valid response tokens.
         clip: > 0, or None for the plain squared error.
-        agg: one of AGG_MODES; norm_len: see `aggregate`.
 
     Returns:
-        ValueLossOut; only `loss` carries gradient.
+        ValueLossOut; only `per_token` carries gradient.
 
     Example:
         >>> out = value_loss(torch.tensor([[2.0, 2.0]]), torch.ones(1, 2),
         ...                  torch.tensor([[1.5, 3.0]]), torch.ones(1, 2), clip=0.2)
-        >>> round(float(out.loss), 4), float(out.clip_frac)  # (0.125 + 1.62) / 2
-        (0.8725, 0.5)
+        >>> [round(x, 4) for x in out.per_token[0].tolist()], out.clipped.tolist()
+        ([0.125, 1.62], [[False, True]])
     """
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be > 0 (or None), got {clip}")
@@ -345,6 +317,4 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clipped = (v_clip - ret) ** 2
         per_token = 0.5 * torch.maximum(unclipped, clipped)
         clip_flags = clipped > unclipped
-    return ValueLossOut(loss=aggregate(per_token, m, agg, norm_len=norm_len),
-                        clip_frac=_token_frac(clip_flags, m),
-                        per_token=torch.where(m, per_token, 0.0), clipped=clip_flags & m)
+    return ValueLossOut(per_token=torch.where(m, per_token, 0.0), clipped=clip_flags & m)

@@ -208,7 +208,7 @@ class PolicyWorker(TrainedWorker):
             mask = x.response_mask
             out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"), mask,
                               clip_low=a.clip_low, clip_high=a.clip_high,
-                              dual_clip=a.dual_clip, agg=a.loss_agg, norm_len=totals.norm_len)
+                              dual_clip=a.dual_clip)
             loss = (out.per_token * w).sum()
             valid = mask.bool()
             b.metric("actor/pg_clipfrac", out.clipped[valid].float(), "mean_tokens")
