@@ -53,7 +53,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from avrid.ppo.outdir import fsync_dir, move_into_place, write_file, writing
-from avrid.results.timeline import _atomic_write
+from avrid.results.timeline import atomic_write
 
 LATEST = "latest"
 """Name of the pointer file in the checkpoint root."""
@@ -180,7 +180,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     with writing(root / LATEST):
-        _atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
+        atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
     fsync_dir(root)
     if keep_last is not None:
         _prune(root, step, keep_last)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from avrid.ppo.outdir import writing
-from avrid.results.timeline import _atomic_write
+from avrid.results.timeline import atomic_write
 
 PROGRESS_KEYS = ("train/reward", "val/reward", "time/step")
 """The metrics `Progress` and `format_step` show by default."""
@@ -55,7 +55,7 @@ class _JsonlAppender:
                 self.path.write_bytes(b"")
             else:
                 text = "".join(_line(r) for r in kept)
-                _atomic_write(self.path, lambda f: f.write(text.encode()))
+                atomic_write(self.path, lambda f: f.write(text.encode()))
             self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
 
     def append(self, rows: Sequence[Mapping[str, Any]]) -> None:

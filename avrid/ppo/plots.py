@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from avrid.results.timeline import Timeline, _atomic_write, _palette
+from avrid.results.timeline import Timeline, atomic_write, palette
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -98,7 +98,7 @@ def phase_figure(rows: Rows, *, title: str | None = None) -> Figure:
     steps = [r["step"] for r in rows]
     totals = {p: sum(_num(r.get(f"time/{p}")) for r in rows) for p in names}
     step_total = sum(_num(r.get("time/step")) for r in rows) or sum(totals.values())
-    colors = dict(zip(names, _palette(len(names)), strict=True))
+    colors = dict(zip(names, palette(len(names)), strict=True))
     bottom = [0.0] * len(rows)
     # Bars touching (width 1) read as an area over many steps and as bars over a few.
     for p in names:
@@ -138,7 +138,7 @@ def write_plots(rows: Rows, out_dir: str | os.PathLike[str], *,
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    return _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
 
 
 def _num(value: Any) -> float:

@@ -18,10 +18,10 @@ from avrid.results.result import (
     merge_metrics,
 )
 from avrid.results.run import run_shards
-from avrid.results.timeline import Lane, Timeline, Utilization
+from avrid.results.timeline import Lane, Timeline, Utilization, atomic_write, palette
 
 __all__ = [
     "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Reduction", "ResultBuilder",
-    "Span", "Timeline", "Utilization", "WorkerResult", "is_collect_rank", "merge",
-    "merge_metrics", "run_shards",
+    "Span", "Timeline", "Utilization", "WorkerResult", "atomic_write", "is_collect_rank",
+    "merge", "merge_metrics", "palette", "run_shards",
 ]

@@ -204,7 +204,7 @@ class Timeline:
     def to_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
         """Write `chrome_trace()` as JSON to `path`, atomically; returns the path."""
         trace = self.chrome_trace()  # built first: an empty timeline fails before any I/O
-        return _atomic_write(Path(path), lambda f: f.write(json.dumps(trace).encode()))
+        return atomic_write(Path(path), lambda f: f.write(json.dumps(trace).encode()))
 
     def gantt_figure(self, *, title: str | None = None) -> Figure:
         """A Gantt chart as a matplotlib `Figure` (no pyplot: the global backend is untouched,
@@ -215,8 +215,7 @@ class Timeline:
         origin, util = self.start, self.utilization()
         window = self.end - origin
         names = sorted({s.name for s in self.spans})
-        palette = _palette(len(names))
-        color = dict(zip(names, palette, strict=True))
+        color = dict(zip(names, palette(len(names)), strict=True))
         fig = Figure(figsize=(10, 1.2 + 0.5 * len(self.lanes)), layout="constrained")
         ax = fig.add_subplot()
         for row, lane in enumerate(self.lanes):
@@ -247,7 +246,7 @@ class Timeline:
         out = Path(path)
         fig = self.gantt_figure(title=title)
         fmt = out.suffix.lstrip(".").lower() or "png"
-        return _atomic_write(out, lambda f: fig.savefig(f, format=fmt, dpi=120))
+        return atomic_write(out, lambda f: fig.savefig(f, format=fmt, dpi=120))
 
     def describe(self) -> str:
         """A text table: lane, busy seconds, idle seconds, busy share."""
@@ -289,7 +288,8 @@ def _depths(spans: Iterable[Span]) -> list[int]:
     return depths
 
 
-def _palette(n: int) -> list[Any]:
+def palette(n: int) -> list[Any]:
+    """`n` distinguishable matplotlib colours (tab10, or tab20 beyond ten)."""
     from matplotlib import colormaps
 
     # tab10 is the most distinguishable; tab20 beyond ten names (colours then repeat).
@@ -297,9 +297,18 @@ def _palette(n: int) -> list[Any]:
     return [cmap(i % cmap.N) for i in range(n)]
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
     """Write `path` through a temporary file in the same directory and `os.replace` it into
-    place, so a reader (or a crash) never sees a half-written file."""
+    place, so a reader (or a crash) never sees a half-written file. `write` gets the open
+    binary file. Every output avrid writes (traces, charts, metrics, checkpoint pointers)
+    goes through here; returns `path`.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> atomic_write(d / "note.txt", lambda f: f.write(b"whole or not at all")).read_text()
+        'whole or not at all'
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
