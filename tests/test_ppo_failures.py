@@ -30,6 +30,7 @@ from avrid.ppo.tasks import Prompt
 from avrid.ppo.trainer import Trainer
 from avrid.results import ResultBuilder, run_shards
 from avrid.workers import WorkerError, WorkerIdentity
+from tests.test_ppo_trainer import EchoFirstTask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,19 +87,9 @@ def test_a_rank_failing_while_its_peer_waits_in_a_collective_is_reported_at_once
 
 # ---- a call that never returns ----------------------------------------------------------------
 
-class HungTask:
-    """A task whose reward function never returns (on the first training batch)."""
-
-    name = "hung"
-    max_response_tokens = 2
-    alphabet = "ab="
-
-    def train_prompts(self) -> list[Prompt]:
-        return [Prompt(index=i, text=f"{x}{y}=", answer=x)
-                for i, (x, y) in enumerate((x, y) for x in "ab" for y in "ab")]
-
-    def val_prompts(self) -> list[Prompt]:
-        return self.train_prompts()[:2]
+class HungTask(EchoFirstTask):
+    """The echo task of test_ppo_trainer.py, but its reward function never returns (the
+    first call to it, at the step-0 validation, hangs)."""
 
     def reward(self, prompt: Prompt, response: str) -> float:
         if mark := os.environ.get("AVRID_TEST_HUNG_MARK"):
