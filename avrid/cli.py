@@ -8,8 +8,8 @@
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
     avrid demo all          run every chapter's demo in order
 
-It sits above every layer and holds no logic of its own: training is `avrid.ppo.run.train`,
-exporting is `avrid.ppo.export.export_checkpoint`, each demo lives in its chapter package.
+It sits above every layer and holds no logic of its own: training is `avrid.ppo.driver.run.train`,
+exporting is `avrid.ppo.outputs.export.export_checkpoint`, each demo lives in its chapter package.
 Chapters are run from the source checkout, so `demo` needs the repository that avrid was
 installed from (``pip install -e .``).
 """
@@ -123,9 +123,9 @@ def _ppo(args: argparse.Namespace) -> None:
     """Build the config from preset + flags (validated once), then train."""
     import json
 
-    from avrid.ppo.config import with_overrides
-    from avrid.ppo.presets import preset
-    from avrid.ppo.run import config_dict, train
+    from avrid.ppo.driver.run import config_dict, train
+    from avrid.ppo.setup.config import with_overrides
+    from avrid.ppo.setup.presets import preset
 
     sets = []
     for flag, field in (("algo", "algo.name"), ("steps", "train.steps"),
@@ -172,7 +172,7 @@ def _ppo(args: argparse.Namespace) -> None:
 
 def _after_interrupt(out_dir: str) -> str:
     """What an interrupted run can do next: resume from its last checkpoint, if it has one."""
-    from avrid.ppo.checkpoint import latest_checkpoint
+    from avrid.ppo.outputs.checkpoint import latest_checkpoint
 
     try:
         latest = latest_checkpoint(Path(out_dir) / "checkpoints")
@@ -201,7 +201,7 @@ def _fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:
 
 def _export(args: argparse.Namespace) -> None:
     """Export a checkpoint; bad input is one line naming what is wrong, exit status 2."""
-    from avrid.ppo.export import export_checkpoint
+    from avrid.ppo.outputs.export import export_checkpoint
 
     try:
         done = export_checkpoint(args.source, args.dest, overwrite=args.overwrite)

@@ -73,10 +73,10 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.data import step_indices
-from avrid.ppo.presets import preset
-from avrid.ppo.trainer import Trainer
+from avrid.ppo.data.prompts import step_indices
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
 from avrid.results import Timeline
 from avrid.results.timeline import DRIVER, Lane
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy
-from avrid.ppo.rollout import SamplingParams, TorchEngine
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.reshard import ModelLayout
 
 
@@ -42,7 +42,7 @@ def spec_for(hidden: int, layers: int, vocab: int) -> TinyModelSpec:
 
 
 def throughput(args: argparse.Namespace, root: Path) -> None:
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
     spec = spec_for(args.hidden, args.layers, args.vocab)
     policy = build_tiny_policy(spec, seed=0, pad_token_id=0)
@@ -78,7 +78,7 @@ def throughput(args: argparse.Namespace, root: Path) -> None:
 
 
 def sync_cost(args: argparse.Namespace, root: Path) -> None:
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
     print("weight sync into vLLM (load_weights = reload + re-pack + prefix reset; then the "
           "fingerprint read-back):")

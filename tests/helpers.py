@@ -241,7 +241,7 @@ class ReshardWorker(Worker):
 
 
 def trainer_batch(prompts: Any, responses: Any) -> Any:
-    """Prompt + response token rows as the `Batch` the trainer builds (`data.with_responses`):
+    """Prompt + response token rows as the `Batch` the trainer builds (`columns.with_responses`):
     one "tokens" row per sample, prompt then response, and the two lengths."""
     import torch
 
@@ -258,7 +258,7 @@ def trainer_batch(prompts: Any, responses: Any) -> Any:
 def trainer_logprobs(model: Any, prompts: Any, completions: Any, *, temperature: float,
                      pad_id: int) -> list:
     """Each completion's token log-probs the way training computes them: the code of
-    `PolicyWorker.compute_logprobs` (`batching.model_inputs`, then `actor.response_logprobs`,
+    `PolicyWorker.compute_logprobs` (`columns.model_inputs`, then `forward.response_logprobs`,
     under no_grad) on the batch `trainer_batch` builds. A parity test that compares a rollout
     engine with this compares it with the path training uses, not with a copy of it.
 
@@ -269,8 +269,8 @@ def trainer_logprobs(model: Any, prompts: Any, completions: Any, *, temperature:
 
     import torch
 
-    from avrid.ppo.actor import response_logprobs
-    from avrid.ppo.batching import model_inputs
+    from avrid.ppo.data.columns import model_inputs
+    from avrid.ppo.roles.forward import response_logprobs
 
     responses = [tuple(getattr(c, "token_ids", c)) for c in completions]
     x = model_inputs(trainer_batch(prompts, responses), pad_id)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from avrid.cli import main
-from avrid.ppo.outdir import OutDirLock
+from avrid.ppo.outputs.outdir import OutDirLock
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from avrid.ppo import fsdp
-from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy
-from avrid.ppo.policy_worker import PolicyWorker
-from avrid.ppo.presets import preset
-from avrid.ppo.run import train
-from avrid.ppo.trainer import Trainer
+from avrid.ppo.driver.run import train
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
+from avrid.ppo.roles import fsdp
+from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
 from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, Worker, plan_placement
 from tests.test_ppo_trainer import algorithmic
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from avrid.ppo.checkpoint import (
+from avrid.ppo.outputs.checkpoint import (
     LATEST,
     Checkpoint,
     CorruptCheckpointError,
@@ -23,7 +23,7 @@ from avrid.ppo.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from avrid.ppo.outdir import WriteError, remove_stale_temp_dirs
+from avrid.ppo.outputs.outdir import WriteError, remove_stale_temp_dirs
 
 
 def save(root: Path, step: int, **kw: object) -> Path:
@@ -272,7 +272,7 @@ def test_leftovers_of_a_killed_save_are_removed_and_a_set_aside_step_is_put_back
 
 def test_a_full_disk_names_the_file_and_leaves_nothing(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import avrid.ppo.outdir as outdir
+    import avrid.ppo.outputs.outdir as outdir
 
     save(tmp_path, 1)
     before = listing(tmp_path)

@@ -17,11 +17,11 @@ import torch
 import torch.multiprocessing as mp
 
 from avrid.dispatch import DispatchConfig, make_plan
-from avrid.ppo.actor import Totals, response_values
-from avrid.ppo.batching import model_inputs, padded
-from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.losses import aggregate, value_loss
-from avrid.ppo.models import build_tiny_critic, tiny_spec
+from avrid.ppo.algo.losses import aggregate, value_loss
+from avrid.ppo.data.columns import Totals, model_inputs, padded
+from avrid.ppo.engines.models import build_tiny_critic, tiny_spec
+from avrid.ppo.roles.critic import CriticWorker
+from avrid.ppo.roles.forward import response_values
 from avrid.workers import WorkerIdentity
 from avrid.workers.identity import Rendezvous
 from avrid.workers.outcome import free_port

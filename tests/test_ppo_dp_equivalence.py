@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from avrid.dispatch import Batch, DispatchConfig, make_plan
-from avrid.ppo.actor import Totals, response_logprobs, train_shard
-from avrid.ppo.batching import ModelInputs, padded
-from avrid.ppo.losses import AGG_MODES, policy_loss
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.algo.losses import AGG_MODES, policy_loss
+from avrid.ppo.data.columns import ModelInputs, Totals, padded
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.roles.forward import response_logprobs, train_shard
 from avrid.results import ResultBuilder
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder

@@ -17,14 +17,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from avrid.cli import main
-from avrid.ppo import export as export_module
-from avrid.ppo.checkpoint import load_checkpoint, save_checkpoint
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
-from avrid.ppo.models import ATTN_IMPLEMENTATION, TinyModelSpec, build_tiny_policy, tiny_spec
-from avrid.ppo.presets import preset
-from avrid.ppo.run import config_dict, train
-from avrid.ppo.tokenizer import CharTokenizer
+from avrid.ppo.driver.run import config_dict, train
+from avrid.ppo.engines.models import (
+    ATTN_IMPLEMENTATION,
+    TinyModelSpec,
+    build_tiny_policy,
+    tiny_spec,
+)
+from avrid.ppo.outputs import export as export_module
+from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
+from avrid.ppo.outputs.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
+from avrid.ppo.setup.tokenizer import CharTokenizer
 
 IDS = torch.tensor([[2, 5, 7, 12, 3, 1], [4, 4, 9, 2, 11, 6]])
 DIGITS = CharTokenizer("0123456789=")  # the digits task's alphabet: vocab 13, eos 1, pad 0
@@ -180,8 +185,8 @@ def test_bf16_tied_pretrained_export_with_a_real_tokenizer(tmp_path: Path) -> No
 
 @pytest.mark.vllm
 def test_vllm_serves_the_export_with_the_trainers_greedy_tokens(tmp_path: Path) -> None:
-    from avrid.ppo.rollout import SamplingParams, TorchEngine
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
     # hidden 256 / 4 heads: head dim 64, a size every vLLM attention backend supports.
     cfg = with_overrides(tiny(tmp_path / "unused"), ["model.hidden_size=256",

@@ -20,14 +20,15 @@ import ray
 import torch
 
 from avrid.dispatch import Batch, Shard
-from avrid.ppo.actor import Totals, train_shard
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy
-from avrid.ppo.presets import preset
-from avrid.ppo.run import train
-from avrid.ppo.tasks import Prompt
-from avrid.ppo.trainer import Trainer
+from avrid.ppo.data.columns import Totals
+from avrid.ppo.driver.run import train
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.roles.critic import CriticWorker
+from avrid.ppo.roles.forward import train_shard
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
+from avrid.ppo.setup.task import Prompt
 from avrid.results import ResultBuilder, run_shards
 from avrid.workers import WorkerError, WorkerIdentity
 from tests.test_ppo_trainer import EchoFirstTask
@@ -179,7 +180,7 @@ def test_a_non_finite_loss_skips_the_optimizer_step_and_counts_it() -> None:
     builder = ResultBuilder.for_shard(WorkerIdentity(role="actor", rank=0, world_size=1), shard)
 
     def nan_loss(x, mb, w, b):  # noqa: ANN001, ANN202
-        from avrid.ppo.actor import response_logprobs
+        from avrid.ppo.roles.forward import response_logprobs
 
         logp, _ = response_logprobs(model, x, 1.0)
         return (logp * w).sum() * float("nan")

@@ -21,9 +21,9 @@ import pytest
 import torch
 import transformers
 
-from avrid.ppo.config import with_overrides
-from avrid.ppo.presets import preset
-from avrid.ppo.run import train
+from avrid.ppo.driver.run import train
+from avrid.ppo.setup.config import with_overrides
+from avrid.ppo.setup.presets import preset
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RUNS = {"ppo": "tiny-ppo", "grpo": "tiny-grpo"}

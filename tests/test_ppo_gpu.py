@@ -8,7 +8,7 @@
 - optionally, the `qwen-gsm8k` preset on a real checkpoint and data file named by
   ``AVRID_QWEN_PATH`` and ``AVRID_GSM8K_PATH`` (skipped, saying so, when they are unset).
 
-Every run goes through `avrid.ppo.run.train`, so validation, the metrics file, a checkpoint
+Every run goes through `avrid.ppo.driver.run.train`, so validation, the metrics file, a checkpoint
 (a collective over the group) and the plots are exercised too. What this file does not test:
 the RL math and the loop's determinism and resume (CPU tests cover those, device-independent),
 or speed. Configs are kept small: seconds of GPU work, most of a test's time is start-up.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.presets import preset
-from avrid.ppo.run import train
+from avrid.ppo.driver.run import train
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -102,7 +102,7 @@ def save_tiny_tokenizer(path: Path) -> int:
 def save_tiny_model(path: Path, vocab: int) -> None:
     """A random Qwen2 with head dim 64 (every vLLM attention backend supports it) and room
     for prompt + response positions, saved like a downloaded checkpoint."""
-    from avrid.ppo.models import TinyModelSpec, build_tiny_policy
+    from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
 
     spec = TinyModelSpec(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=4, num_kv_heads=2, max_positions=256)

@@ -1,4 +1,4 @@
-"""Chapter 5 RL math (avrid.ppo.advantages, avrid.ppo.losses) against numbers worked by hand.
+"""Chapter 5 RL math (avrid.ppo.algo.advantages, .losses) against numbers worked by hand.
 
 Every expected value below is derived in the comment next to it, on paper, not by running the
 code: the point is to pin the formulas, not to snapshot whatever the code happens to return.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from avrid.ppo.advantages import check_mask, gae, grpo_advantages, kl_penalized_rewards, whiten
-from avrid.ppo.losses import (
+from avrid.ppo.algo.advantages import check_mask, gae, grpo_advantages, kl_penalized_rewards, whiten
+from avrid.ppo.algo.losses import (
     AGG_MODES,
     KL_KINDS,
     aggregate,

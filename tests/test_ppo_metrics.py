@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from avrid.ppo.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
-from avrid.ppo.outdir import WriteError
-from avrid.ppo.plots import phase_figure, reward_figure, write_plots
+from avrid.ppo.outputs.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
+from avrid.ppo.outputs.outdir import WriteError
+from avrid.ppo.outputs.plots import phase_figure, reward_figure, write_plots
 from avrid.results.result import RESULT_VERSION, Span, WorkerResult
 from avrid.results.timeline import Timeline
 from avrid.workers import WorkerIdentity

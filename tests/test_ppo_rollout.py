@@ -1,8 +1,8 @@
 """Rollout engines on CPU: the torch engine's log-probs are the trainer's, sampling is seeded,
 stops and weight loads behave, and the tiny models are built reproducibly.
 
-"The trainer's" log-probs are computed by the code training runs (`batching.model_inputs`,
-`actor.response_logprobs`: `tests.helpers.trainer_logprobs`), not by a copy of it."""
+"The trainer's" log-probs are computed by the code training runs (`columns.model_inputs`,
+`forward.response_logprobs`: `tests.helpers.trainer_logprobs`), not by a copy of it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from avrid.ppo.actor import forward, response_logprobs, response_values
-from avrid.ppo.batching import model_inputs
-from avrid.ppo.logprobs import logprobs_from_logits
-from avrid.ppo.models import (
+from avrid.ppo.algo.logprobs import logprobs_from_logits
+from avrid.ppo.data.columns import model_inputs
+from avrid.ppo.engines.models import (
     TinyModelSpec,
     build_tiny_critic,
     build_tiny_policy,
@@ -22,7 +21,8 @@ from avrid.ppo.models import (
     load_policy,
     pad_left,
 )
-from avrid.ppo.rollout import Completion, RolloutEngine, SamplingParams, TorchEngine
+from avrid.ppo.engines.torch_engine import Completion, RolloutEngine, SamplingParams, TorchEngine
+from avrid.ppo.roles.forward import forward, response_logprobs, response_values
 from tests.helpers import trainer_batch, trainer_logprobs
 
 SPEC = TinyModelSpec(vocab_size=16, num_kv_heads=2)  # grouped-query attention on purpose

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from avrid.ppo import run as run_module
-from avrid.ppo.checkpoint import CorruptCheckpointError, latest_checkpoint, load_checkpoint
-from avrid.ppo.config import TrainConfig
-from avrid.ppo.outdir import LOCK_FILE, OutDirBusyError, OutDirError, OutDirLock, WriteError
-from avrid.ppo.presets import PRESETS
-from avrid.ppo.run import NoCheckpointError, restore_rng_states, rng_states, train
+from avrid.ppo.driver import run as run_module
+from avrid.ppo.driver.run import NoCheckpointError, restore_rng_states, rng_states, train
+from avrid.ppo.outputs.checkpoint import CorruptCheckpointError, latest_checkpoint, load_checkpoint
+from avrid.ppo.outputs.outdir import LOCK_FILE, OutDirBusyError, OutDirError, OutDirLock, WriteError
+from avrid.ppo.setup.config import TrainConfig
+from avrid.ppo.setup.presets import PRESETS
 from tests.test_ppo_checkpoint import tamper
 from tests.test_ppo_trainer import ROOT, EchoFirstTask, algorithmic, tiny
 
@@ -81,7 +81,7 @@ def test_a_fresh_run_refuses_a_directory_holding_an_earlier_run(tmp_path: Path) 
 def test_a_second_run_on_a_busy_directory_is_refused_until_the_holder_dies(
         tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from avrid.ppo.outdir import OutDirLock; "
+        [sys.executable, "-c", "import sys, time; from avrid.ppo.outputs.outdir import OutDirLock; "
          "OutDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)",
          str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

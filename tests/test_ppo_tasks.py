@@ -1,4 +1,4 @@
-"""Tasks, rewards and tokenizers for chapter 5 (avrid.ppo.tasks, .gsm8k, .tokenizer)."""
+"""Tasks, rewards and tokenizers for chapter 5 (avrid.ppo.setup.task, .gsm8k, .tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from avrid.ppo.gsm8k import Gsm8kTask, extract_answer
-from avrid.ppo.tasks import (
-    DIGIT_OPS,
-    DigitTask,
-    Prompt,
-    Task,
-    check_reward,
-    load_task,
-)
-from avrid.ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from avrid.ppo.setup.catalog import load_task
+from avrid.ppo.setup.digits import DIGIT_OPS, DigitTask
+from avrid.ppo.setup.gsm8k import Gsm8kTask, extract_answer
+from avrid.ppo.setup.task import Prompt, Task, check_reward
+from avrid.ppo.setup.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 # --- a user-defined task, loaded below through "tests.test_ppo_tasks:make_custom_task" ---
 
 
 class ParityTask:
-    """The example of the tasks.py docstring: is a 4-bit number even (E) or odd (O)?"""
+    """The example of the setup/task.py docstring: is a 4-bit number even (E) or odd (O)?"""
 
     name = "parity"
     max_response_tokens = 2
@@ -188,7 +183,7 @@ def test_hf_tokenizer_from_a_local_directory(tmp_path: Path) -> None:
 
 
 def test_stop_ids_include_every_eos_of_the_generation_config(tmp_path: Path) -> None:
-    from avrid.ppo.reward_worker import response_text
+    from avrid.ppo.setup.tokenizer import response_text
 
     _save_tiny_hf_tokenizer(tmp_path)
     assert HFTokenizer(tmp_path).stop_token_ids == (1,)  # no generation config: EOS alone

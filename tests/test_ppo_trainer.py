@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.presets import preset
-from avrid.ppo.run import train
-from avrid.ppo.tasks import Prompt
+from avrid.ppo.driver.run import train
+from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
+from avrid.ppo.setup.task import Prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from avrid.dispatch import Batch, Shard
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy
-from avrid.ppo.policy_worker import PolicyWorker
-from avrid.ppo.presets import preset
-from avrid.ppo.rollout import SamplingParams, TorchEngine
-from avrid.ppo.run import train
-from avrid.ppo.trainer import compute_advantages
-from avrid.ppo.vllm_engine import _completion
+from avrid.ppo.driver.run import train
+from avrid.ppo.driver.trainer import compute_advantages
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
+from avrid.ppo.engines.vllm_engine import _completion
+from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
 from avrid.results import merge_metrics
 from avrid.workers import WorkerIdentity
 

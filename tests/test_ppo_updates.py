@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from avrid.dispatch import Batch, Shard
-from avrid.ppo.actor import Totals, response_logprobs, response_values
-from avrid.ppo.batching import model_inputs, packed, padded
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.losses import AGG_MODES, aggregate, value_loss
-from avrid.ppo.models import build_tiny_critic, tiny_spec
-from avrid.ppo.policy_worker import PolicyWorker
+from avrid.ppo.algo.losses import AGG_MODES, aggregate, value_loss
+from avrid.ppo.data.columns import Totals, model_inputs, packed, padded
+from avrid.ppo.engines.models import build_tiny_critic, tiny_spec
+from avrid.ppo.roles.critic import CriticWorker
+from avrid.ppo.roles.forward import response_logprobs, response_values
+from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.setup.config import PPOConfig, with_overrides
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder
 

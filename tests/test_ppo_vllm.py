@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy, load_policy
-from avrid.ppo.rollout import Completion, SamplingParams, TorchEngine
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy, load_policy
+from avrid.ppo.engines.torch_engine import Completion, SamplingParams, TorchEngine
 from tests.helpers import trainer_logprobs
 
 if TYPE_CHECKING:  # vllm is imported inside the engine only
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
 pytestmark = [pytest.mark.vllm]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(checkpoints: dict[str, Path]) -> Iterator[VllmEngine]:
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
     eng = VllmEngine(str(checkpoints["a"]), max_model_len=128, seed=0, dtype="float32",
                      gpu_memory_utilization=0.25, enforce_eager=True)
@@ -73,7 +73,7 @@ def gap(path: Path, dtype: torch.dtype, done: list[Completion],
 
 
 def test_vllm_engine_is_a_rollout_engine(engine: VllmEngine) -> None:
-    from avrid.ppo.rollout import RolloutEngine
+    from avrid.ppo.engines.torch_engine import RolloutEngine
 
     assert isinstance(engine, RolloutEngine)
 

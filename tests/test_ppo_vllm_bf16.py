@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from avrid.ppo.models import load_policy
-from avrid.ppo.rollout import SamplingParams
+from avrid.ppo.engines.models import load_policy
+from avrid.ppo.engines.torch_engine import SamplingParams
 from tests.helpers import trainer_logprobs
 from tests.test_ppo_vllm import DEVICE, PAD, PROMPTS, save_policy
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm]
 
 
 def test_bfloat16_logprobs_match_the_trainer(tmp_path: Path) -> None:
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
     save_policy(tmp_path, seed=0, sharpen=4.0)
     eng = VllmEngine(str(tmp_path), max_model_len=128, seed=0, dtype="bfloat16",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.presets import preset
-from avrid.ppo.run import train
+from avrid.ppo.driver.run import train
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
 from tests.test_ppo_trainer import algorithmic
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]

@@ -119,10 +119,10 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address(
 def test_the_address_and_strategy_are_config_fields_checked_at_start(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from avrid import cli
-    from avrid.ppo.config import PPOConfig, with_overrides
-    from avrid.ppo.roles import build_placement
-    from avrid.ppo.run import _check_resumable, config_dict
-    from avrid.ppo.tokenizer import load_tokenizer
+    from avrid.ppo.driver.placement import build_placement
+    from avrid.ppo.driver.run import _check_resumable, config_dict
+    from avrid.ppo.setup.config import PPOConfig, with_overrides
+    from avrid.ppo.setup.tokenizer import load_tokenizer
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # `avrid ppo` adds the working dir
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
@@ -155,7 +155,7 @@ def test_the_address_and_strategy_are_config_fields_checked_at_start(
 def test_avrid_ppo_runs_on_a_two_node_cluster_with_the_policy_spread_over_both(
         two_nodes: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from avrid import cli
-    from avrid.ppo.trainer import Trainer
+    from avrid.ppo.driver.trainer import Trainer
 
     # Record where the workers landed: their identities, as the backend completed them.
     placed: dict[str, tuple[WorkerIdentity, ...]] = {}

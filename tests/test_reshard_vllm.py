@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from avrid.ppo.models import TinyModelSpec, build_tiny_policy
-from avrid.ppo.rollout import SamplingParams
+from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+from avrid.ppo.engines.torch_engine import SamplingParams
 from avrid.reshard import ModelLayout, check_same, fingerprint
 from avrid.reshard.fingerprint import StaleWeightsError
 from avrid.reshard.tp_layout import decoder_tp_layout
@@ -45,7 +45,7 @@ def save(path: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 def engine(path: Path, **kwargs: object):  # noqa: ANN201 (VllmEngine)
-    from avrid.ppo.vllm_engine import VllmEngine
+    from avrid.ppo.engines.vllm_engine import VllmEngine
 
     return VllmEngine(str(path), max_model_len=256, seed=0, dtype="float32", **kwargs)
 

@@ -1,22 +1,22 @@
 """Chapter 5 — PPO and GRPO: the roles, the RL math, rollout engines and the training loop.
 
 The top layer: it uses every layer below (placement, dispatch, canonical results, weight
-sync) and adds what makes them a trainer. `avrid ppo` runs `run.train(preset(...))`.
+sync) and adds what makes them a trainer. `avrid ppo` runs `driver.run.train(preset(...))`.
 
-Read in this order:
+Seven sub-packages, each with its reading order in its ``__init__.py``; the arrows point
+down only (import-linter checks it):
 
-1. the math, pure functions:   logprobs.py, advantages.py, losses.py
-2. what a run is made of:      config.py (typed, validated once), presets.py,
-                               tasks.py + gsm8k.py (prompts and rewards), tokenizer.py
-3. models and generation:      models.py, rollout.py (TorchEngine), vllm_engine.py (vLLM)
-4. inside the workers:         batching.py, actor.py, fsdp.py, weight_sync.py,
-                               trained_worker.py (what actor and critic share),
-                               policy_worker.py (actor + reference + rollout), critic_worker.py,
-                               reward_worker.py
-5. the driver:                 roles.py (placement), data.py, trainer.py (the loop),
-                               run.py (resume, logging, checkpoints, plots)
-6. around it:                  outdir.py (one run per directory, safe writes),
-                               checkpoint.py, metrics.py, plots.py
+    driver/    placement, the `Trainer` and its `train_step`, the whole run
+    outputs/   the run directory, checkpoints, metrics, plots, export        | roles/
+    roles/     the workers: reward, policy (+ rollout), critic, and what they share
+    engines/   models, the torch and vLLM rollout engines                    | data/
+    data/      which prompts a step reads, the columns its batch grows
+    setup/     config and its validation, presets, tasks, tokenizers
+    algo/      the RL math: log-probs, advantages, losses
+
+Follow one step: `driver/trainer.py` (`train_step`) calls into `data/prompts.py`,
+`roles/policy.py`, `roles/reward.py`, `roles/critic.py`, `data/columns.py`,
+`algo/advantages.py` and `algo/losses.py` — eight files; the chapter README walks them.
 
 Nothing is re-exported here: import from the module that defines a name, so "go to
 definition" lands on it.

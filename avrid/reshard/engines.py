@@ -114,9 +114,10 @@ class VllmSink:
     (one engine spans all its TP workers; `collective_rpc` reaches each of them).
 
     The engine core must run in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-    as `avrid.ppo.vllm_engine.VllmEngine` sets): between processes vLLM sends `collective_rpc`
-    arguments as msgpack without their types, and tensors arrive as plain lists. TP workers
-    below it get their arguments pickled, which carries tensors. Tensors go as CPU tensors.
+    as `avrid.ppo.engines.vllm_engine.VllmEngine` sets): between processes vLLM sends
+    `collective_rpc` arguments as msgpack without their types, and tensors arrive as plain
+    lists. TP workers below it get their arguments pickled, which carries tensors. Tensors go
+    as CPU tensors.
     """
 
     def __init__(self, llm: Any) -> None:  # a vllm.LLM: vllm is imported only where needed

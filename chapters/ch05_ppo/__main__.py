@@ -8,7 +8,7 @@ of it starting Ray and the workers). It reads top to bottom:
    reference model runs too and a step shows all nine phases;
 2. the placement: which role runs on which bundle (actor + reference + rollout share one
    process per rank, the critic shares their bundles, the reward worker sits beside them);
-3. the loop, driven by hand the way `avrid.ppo.run.train` drives it: validate, then
+3. the loop, driven by hand the way `avrid.ppo.driver.run.train` drives it: validate, then
    `Trainer.train_step` once per step, one line of metrics each;
 4. the last step taken apart: seconds per phase and its share of the step, then chapter 3's
    timeline of that step (who was busy, who waited), written under ``outputs/ch05/``;
@@ -24,11 +24,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from avrid.ppo.config import PPOConfig, with_overrides
-from avrid.ppo.plots import PHASES
-from avrid.ppo.presets import preset
-from avrid.ppo.run import save
-from avrid.ppo.trainer import Trainer
+from avrid.ppo.driver.run import save
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.outputs.plots import PHASES
+from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.presets import preset
 from avrid.results import Timeline
 
 STEPS = 20

@@ -12,7 +12,7 @@ trains. Per rank:
 - the reference: a frozen copy of the initial policy, built only when a KL term is used, held
   in `model.dtype` (it is never updated, so it needs no fp32 master copy);
 - the rollout engine: a full, unsharded copy in `model.dtype` that generates
-  (`rollout.TorchEngine` or `vllm_engine.VllmEngine`), refreshed from the actor by
+  (`torch_engine.TorchEngine` or `vllm_engine.VllmEngine`), refreshed from the actor by
   `sync_weights` (chapter 4), which casts the fp32 shards to the engine's dtype.
 
 The actor's scaffolding (process group, build or load, FSDP2, AdamW, checkpoint state) is
@@ -33,15 +33,15 @@ import tempfile
 import torch
 
 from avrid.dispatch import Packed, Shard
-from avrid.ppo import fsdp
-from avrid.ppo.actor import Totals, response_logprobs, train_shard
-from avrid.ppo.batching import ModelInputs, model_inputs, padded
-from avrid.ppo.config import PPOConfig
-from avrid.ppo.losses import kl_estimate, policy_loss
-from avrid.ppo.models import build_tiny_policy, load_policy, tiny_spec
-from avrid.ppo.rollout import SamplingParams, TorchEngine
-from avrid.ppo.trained_worker import TrainedWorker
-from avrid.ppo.weight_sync import SyncReport, WeightSync
+from avrid.ppo.algo.losses import kl_estimate, policy_loss
+from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
+from avrid.ppo.engines.models import build_tiny_policy, load_policy, tiny_spec
+from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
+from avrid.ppo.roles import fsdp
+from avrid.ppo.roles.forward import response_logprobs, train_shard
+from avrid.ppo.roles.trained import TrainedWorker
+from avrid.ppo.roles.weight_sync import SyncReport, WeightSync
+from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard.engines import TorchEngineSink
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
@@ -117,7 +117,7 @@ class PolicyWorker(TrainedWorker):
         """vLLM built from the model's config alone (``load_format="dummy"``: random weights):
         `setup` loads the actor's weights into it before anything is generated, so a fresh
         run, a resumed run and a checkpoint path all start from the weights being trained."""
-        from avrid.ppo.vllm_engine import VllmEngine  # vllm is imported only where used
+        from avrid.ppo.engines.vllm_engine import VllmEngine  # vllm is imported only where used
 
         cfg = self.config
         max_model_len = cfg.rollout.max_prompt_tokens + self.max_response

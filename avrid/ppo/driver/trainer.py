@@ -30,26 +30,33 @@ from pathlib import Path
 import torch
 
 from avrid.dispatch import Batch, DispatchConfig, make_plan
-from avrid.ppo.actor import Totals
-from avrid.ppo.advantages import gae, grpo_advantages, kl_penalized_rewards, whiten
-from avrid.ppo.batching import packed, padded, response_mask
-from avrid.ppo.config import PPOConfig
-from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.data import (
-    PromptSet,
+from avrid.ppo.algo.advantages import gae, grpo_advantages, kl_penalized_rewards, whiten
+from avrid.ppo.algo.losses import kl_estimate
+from avrid.ppo.data.columns import (
+    Totals,
     add_columns,
+    packed,
+    padded,
+    response_mask,
+    with_responses,
+)
+from avrid.ppo.data.prompts import (
+    TRAIN,
+    VAL,
+    PromptSet,
     mini_batches,
     prompt_batch,
     step_indices,
-    with_responses,
 )
-from avrid.ppo.losses import kl_estimate
-from avrid.ppo.policy_worker import PolicyWorker
-from avrid.ppo.reward_worker import TRAIN, VAL, RewardWorker
-from avrid.ppo.roles import build_placement
-from avrid.ppo.tasks import Task, load_task
-from avrid.ppo.tokenizer import Tokenizer, load_tokenizer
-from avrid.ppo.trained_worker import TrainedWorker, TrainerState
+from avrid.ppo.driver.placement import build_placement
+from avrid.ppo.roles.critic import CriticWorker
+from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.roles.reward import RewardWorker
+from avrid.ppo.roles.trained import TrainedWorker, TrainerState
+from avrid.ppo.setup.catalog import load_task
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.task import Task
+from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.results import Merged, Span, Timeline, run_shards
 from avrid.workers import Cluster, InProcessBackend, PlacementPlan
 
@@ -87,7 +94,7 @@ class Trainer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def placement(self) -> PlacementPlan:
-        """Where each role runs (`roles.build_placement` with this run's response budget)."""
+        """Where each role runs (`placement.build_placement` with this run's response budget)."""
         return build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
 
     def start(self, weights: dict | None = None, optimizers: dict | None = None) -> None:
@@ -283,7 +290,7 @@ def compute_advantages(batch: Batch, config: PPOConfig) -> Batch:
                   whitening: it is a sample of the policy like the others.
 
     Adds packed "advantages" (and "returns" for PPO) and the scalar "loss_mask" (1 = the
-    sample trains; read by `actor.sample_loss_mask`).
+    sample trains; read by `columns.sample_loss_mask`).
     """
     a = config.algo
     mask = response_mask(batch)
@@ -319,19 +326,6 @@ def _truncated(batch: Batch, choice: str) -> torch.Tensor:
                              f"columns: {sorted(batch.scalars)}")
         return torch.zeros(len(batch))
     return column.float()
-
-
-def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
-    """The char tokenizer over the task's alphabet for tiny models, else a local one."""
-    m = config.model
-    spec = m.tokenizer or ("char" if m.path is None else m.path)
-    if spec == "char":
-        if task.alphabet is None:
-            raise ValueError(f"config field 'model.tokenizer': task {task.name!r} needs a real "
-                             f"tokenizer (it has no alphabet); set model.path or "
-                             f"model.tokenizer to a local tokenizer directory")
-        return load_tokenizer(f"char:{task.alphabet}")
-    return load_tokenizer(spec, chat_template=m.chat_template)
 
 
 def check_paths(config: PPOConfig) -> None:

@@ -10,8 +10,8 @@ both share a GPU.
   it runs on CPU: it is the engine of the tests and the reference for `vllm_engine.VllmEngine`.
 
 An engine's log-probs must equal, for the same weights, what the actor recomputes in
-training: one right-padded full-sequence pass, no cache (`batching.model_inputs`, then
-`actor.response_logprobs`). The tests pin the gap against that very code, and the PPO loop
+training: one right-padded full-sequence pass, no cache (`columns.model_inputs`, then
+`forward.response_logprobs`). The tests pin the gap against that very code, and the PPO loop
 logs it every step as `rollout/logprob_gap`.
 
 Not here: tokenization, rewards, the vLLM engine (`vllm_engine`), batching across workers.
@@ -25,8 +25,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from avrid.ppo.logprobs import logprobs_from_logits
-from avrid.ppo.models import pad_left
+from avrid.ppo.algo.logprobs import logprobs_from_logits
+from avrid.ppo.engines.models import pad_left
 from avrid.reshard.engines import TorchEngineSink
 
 FinishReason = Literal["stop", "length"]
@@ -113,7 +113,7 @@ class TorchEngine:
     The same `params.seed`, prompts, weights and `batch_size` give the same tokens.
 
     Example:
-        >>> from avrid.ppo.models import TinyModelSpec, build_tiny_policy
+        >>> from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
         >>> engine = TorchEngine(build_tiny_policy(TinyModelSpec(vocab_size=16), seed=0),
         ...                      pad_token_id=0)
         >>> [c] = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))

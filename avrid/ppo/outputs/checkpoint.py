@@ -23,7 +23,7 @@ replace). A failure midway removes the temporary directory and changes nothing e
 process killed midway cannot, so the next run removes such leftovers at start. Those steps
 (`write_file`, `fsync_dir`, `move_into_place`, `remove_stale_temp_dirs`) live in `outdir.py`,
 because the HF export (`export.py`) publishes its directory the same way; a failed write
-raises `avrid.ppo.outdir.WriteError`: "could not write <file>: <cause>".
+raises `avrid.ppo.outputs.outdir.WriteError`: "could not write <file>: <cause>".
 
 Integrity: the manifest carries a sha256 per file, and `load_checkpoint` refuses a file that
 does not match (changed in place, truncated, bit rot), naming it. Loading the *latest*
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from avrid.ppo.outdir import fsync_dir, move_into_place, write_file, writing
+from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file, writing
 from avrid.results.timeline import atomic_write
 
 LATEST = "latest"

@@ -11,22 +11,21 @@ What a policy or critic worker does with a shard, as functions of (model, micro-
   the global gradient norm, step. Gradient accumulation over micro-batches and the FSDP
   reduce-scatter over ranks then give exactly the mini-batch's loss gradient.
 
-The losses themselves are in `losses.py`; the workers that call this are `policy_worker.py`
-and `critic_worker.py`. Nothing here talks to Ray or knows which rank it is.
+The losses themselves are in `losses.py`; the workers that call this are `roles/policy.py`
+and `roles/critic.py`. Nothing here talks to Ray or knows which rank it is.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from avrid.dispatch import Batch, Shard
-from avrid.ppo.batching import ModelInputs, model_inputs
-from avrid.ppo.logprobs import entropy_from_logits, logprobs_from_logits
-from avrid.ppo.losses import token_weights
+from avrid.ppo.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from avrid.ppo.algo.losses import token_weights
+from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, sample_loss_mask
 from avrid.results import ResultBuilder
 
 
@@ -65,33 +64,6 @@ def response_values(critic: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
     """(n, T) values V(s_t) at the positions that predict each response token."""
     out = forward(critic, x).squeeze(-1).float()
     return out.gather(1, x.logit_index)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Totals:
-    """Global counts of one mini-batch (all ranks), the denominators of its loss."""
-
-    tokens: int
-    """Valid response tokens in the mini-batch."""
-    seqs: int
-    """Sequences in the mini-batch."""
-    norm_len: int
-    """The longest allowed response (Dr.GRPO's constant for seq-mean-token-sum-norm)."""
-
-    @classmethod
-    def of(cls, batch: Batch, norm_len: int) -> Totals:
-        """Count `batch` (the whole mini-batch, on the driver), leaving out the samples that
-        `sample_loss_mask` excludes: the loss is the mean over the samples that train."""
-        lens = batch.response_lens[sample_loss_mask(batch) != 0]
-        return cls(tokens=int(lens.sum()), seqs=len(lens), norm_len=norm_len)
-
-
-def sample_loss_mask(batch: Batch) -> torch.Tensor:
-    """(n,) float32: 1 for a sample that takes part in the actor and critic losses, 0 for one
-    left out — the batch's "loss_mask" scalar column (`trainer.compute_advantages` writes it,
-    e.g. 0 for truncated responses under algo.truncation=mask); all ones without it."""
-    keep = batch.scalars.get("loss_mask")
-    return torch.ones(len(batch)) if keep is None else keep.float()
 
 
 LossFn = Callable[[ModelInputs, Batch, torch.Tensor, ResultBuilder], torch.Tensor]

@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 from avrid.dispatch import Shard
-from avrid.ppo.actor import Totals, response_values, train_shard
-from avrid.ppo.batching import ModelInputs, model_inputs, padded
-from avrid.ppo.config import PPOConfig
-from avrid.ppo.losses import value_loss
-from avrid.ppo.models import build_tiny_critic, load_critic, tiny_spec
-from avrid.ppo.trained_worker import TrainedWorker
+from avrid.ppo.algo.losses import value_loss
+from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
+from avrid.ppo.engines.models import build_tiny_critic, load_critic, tiny_spec
+from avrid.ppo.roles.forward import response_values, train_shard
+from avrid.ppo.roles.trained import TrainedWorker
+from avrid.ppo.setup.config import PPOConfig
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 

@@ -16,11 +16,11 @@ This file only describes placement (chapter 1's `RoleSpec`s); the backend starts
 
 from __future__ import annotations
 
-from avrid.ppo.config import PPOConfig
-from avrid.ppo.critic_worker import CriticWorker
-from avrid.ppo.policy_worker import PolicyWorker
-from avrid.ppo.reward_worker import RewardWorker
-from avrid.ppo.tokenizer import Tokenizer
+from avrid.ppo.roles.critic import CriticWorker
+from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.roles.reward import RewardWorker
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.tokenizer import Tokenizer
 from avrid.workers import Mesh, PlacementPlan, ResourcePool, RoleSpec, plan_placement
 
 REWARD_CPU_SHARE = 0.1

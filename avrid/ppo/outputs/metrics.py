@@ -1,7 +1,7 @@
 """Chapter 5 — what a training run writes down: metrics, sample dumps and a progress bar.
 
 - `MetricsLogger` appends one JSON line per step to ``metrics.jsonl`` (the source of truth,
-  read back by `read_metrics` and plotted by `avrid.ppo.plots`), and optionally mirrors the
+  read back by `read_metrics` and plotted by `avrid.ppo.outputs.plots`), and optionally mirrors the
   numbers to TensorBoard and/or Weights & Biases;
 - `SampleDump` appends a few (prompt, response, reward) rows per step to ``samples.jsonl``,
   because a reward curve alone does not show *what* the policy learned (or how it hacked the
@@ -17,7 +17,7 @@ Without `resume_step` the file starts empty.
 Every line is written whole and flushed at once, so a crash leaves only whole lines (at worst
 a torn last line after an OS crash, which `read_metrics` skips). Non-finite floats (NaN, inf)
 are written as JSON ``null``: strict JSON has no NaN, and null reads as "no value" everywhere.
-A failed write (a full disk, a permission) raises `avrid.ppo.outdir.WriteError`: "could not
+A failed write (a full disk, a permission) raises `avrid.ppo.outputs.outdir.WriteError`: "could not
 write <file>: <cause>". Whether a directory's earlier files may be truncated at all is
 `run.py`'s decision (it refuses to, unless resuming).
 
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from avrid.ppo.outdir import writing
+from avrid.ppo.outputs.outdir import writing
 from avrid.results.timeline import atomic_write
 
 PROGRESS_KEYS = ("train/reward", "val/reward", "time/step")

@@ -23,7 +23,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # annotations only: the config and the task do not need a tokenizer
+    from avrid.ppo.setup.config import PPOConfig
+    from avrid.ppo.setup.task import Task
 
 PAD_ID = 0
 EOS_ID = 1
@@ -229,3 +233,23 @@ def load_tokenizer(spec: str, *, chat_template: bool = False) -> Tokenizer:
             raise ValueError(f"chat_template=True needs a Hugging Face tokenizer, not {spec!r}")
         return CharTokenizer(spec[len("char:"):])
     return HFTokenizer(spec, chat_template=chat_template)
+
+
+def response_text(tokens: list[int], tokenizer: Tokenizer) -> str:
+    """Decode a response, dropping the first stop token (any EOS id) and anything after it."""
+    stops = set(tokenizer.stop_token_ids)
+    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokenizer.decode(tokens[:end])
+
+
+def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
+    """The char tokenizer over the task's alphabet for tiny models, else a local one."""
+    m = config.model
+    spec = m.tokenizer or ("char" if m.path is None else m.path)
+    if spec == "char":
+        if task.alphabet is None:
+            raise ValueError(f"config field 'model.tokenizer': task {task.name!r} needs a real "
+                             f"tokenizer (it has no alphabet); set model.path or "
+                             f"model.tokenizer to a local tokenizer directory")
+        return load_tokenizer(f"char:{task.alphabet}")
+    return load_tokenizer(spec, chat_template=m.chat_template)

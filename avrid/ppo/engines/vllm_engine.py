@@ -1,6 +1,6 @@
 """Chapter 5 — vLLM as a rollout engine (CPU or GPU), behind the same `RolloutEngine` protocol.
 
-`VllmEngine` wraps a ``vllm.LLM`` so the PPO loop can swap it for `rollout.TorchEngine`
+`VllmEngine` wraps a ``vllm.LLM`` so the PPO loop can swap it for `torch_engine.TorchEngine`
 without noticing: token ids in, token ids and log-probs out, `load_weights` after each
 optimizer step (through chapter 4's `VllmSink` and `AvridWorkerExtension`), and vLLM's sleep
 mode to hand the GPU to a colocated trainer where the platform has it (CUDA; not CPU, where
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from avrid.ppo.rollout import Completion, SamplingParams
+from avrid.ppo.engines.torch_engine import Completion, SamplingParams
 from avrid.reshard.engines import VLLM_EXTENSION, VllmSink
 from avrid.reshard.layout import ModelLayout
 

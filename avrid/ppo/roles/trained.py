@@ -22,7 +22,7 @@ trained role and `run.save` writes. A checkpoint needs the weights once (after t
 they are whole on every rank, so rank 0's copy is enough) but every rank's optimizer state
 (AdamW's moments are sharded like the parameters, each rank holding its 1/dp).
 
-Not here: the losses, the micro-batch loop (`actor.train_shard`), the weight sync, writing
+Not here: the losses, the micro-batch loop (`forward.train_shard`), the weight sync, writing
 and reading checkpoints (`checkpoint.py`), and anything the driver decides (when to update,
 when to save).
 """
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from avrid.ppo import fsdp
-from avrid.ppo.config import PPOConfig
+from avrid.ppo.roles import fsdp
+from avrid.ppo.setup.config import PPOConfig
 from avrid.workers import Worker, WorkerIdentity
 
 

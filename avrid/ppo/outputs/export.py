@@ -15,7 +15,7 @@ Load it with ``AutoModelForCausalLM.from_pretrained(dest)``; serve it with
 ``vllm.LLM(model=dest)``, or ``vllm.LLM(model=dest, skip_tokenizer_init=True)`` (token ids in
 and out) when there are no tokenizer files. The char tokenizer is not a Hugging Face tokenizer,
 so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and decode with
-``avrid.ppo.tokenizer.load_tokenizer("char:" + alphabet)``, or by its ``id_to_token`` table.
+``avrid.ppo.setup.tokenizer.load_tokenizer("char:" + alphabet)``, or by its ``id_to_token`` table.
 
 Where the architecture comes from: a tiny model (``model.path`` unset) is rebuilt from the saved
 config (`models.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
@@ -46,11 +46,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from avrid.ppo.checkpoint import latest_checkpoint, load_checkpoint, savable
-from avrid.ppo.config import PPOConfig
-from avrid.ppo.models import tiny_config, tiny_spec
-from avrid.ppo.outdir import fsync_dir, move_into_place, write_file  # checkpoints' atomic writes
-from avrid.ppo.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.engines.models import tiny_config, tiny_spec
+from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # checkpoints' atomic writes
+from avrid.ppo.setup.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 CHAR_TOKENIZER_FILE = "avrid_tokenizer.json"
@@ -249,10 +249,10 @@ def _write_tokenizer(tmp: Path, tokenizer: Mapping[str, Any]) -> None:
     if kind == "char":
         alphabet = tokenizer["alphabet"]
         table = ["<pad>", "<eos>", *alphabet]  # CharTokenizer's ids: 0 pad, 1 eos, 2.. alphabet
-        doc = {"type": "avrid.ppo.tokenizer.CharTokenizer", "alphabet": alphabet,
+        doc = {"type": "avrid.ppo.setup.tokenizer.CharTokenizer", "alphabet": alphabet,
                "pad_token_id": tokenizer["pad_token_id"],
                "eos_token_id": tokenizer["eos_token_id"], "id_to_token": table,
-               "load_with": f"avrid.ppo.tokenizer.load_tokenizer({'char:' + alphabet!r})"}
+               "load_with": f"avrid.ppo.setup.tokenizer.load_tokenizer({'char:' + alphabet!r})"}
         write_file(tmp / CHAR_TOKENIZER_FILE,
                     lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
     elif kind == "hf":
@@ -272,8 +272,8 @@ def _write_tokenizer(tmp: Path, tokenizer: Mapping[str, Any]) -> None:
 def _rebuilt_tokenizer_record(config: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """For a checkpoint saved before state.json held a tokenizer record: rebuild the run's
     tokenizer from its config (the char tokenizer needs the task, for its alphabet)."""
-    from avrid.ppo.tasks import load_task
-    from avrid.ppo.trainer import make_tokenizer
+    from avrid.ppo.setup.catalog import load_task
+    from avrid.ppo.setup.tokenizer import make_tokenizer
 
     cfg = _ppo_config(config)
     m, t = cfg.model, cfg.task

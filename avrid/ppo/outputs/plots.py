@@ -1,6 +1,6 @@
 """Chapter 5 — the run's pictures: reward curves, where each step's time went, the timeline.
 
-Input is the rows of ``metrics.jsonl`` (`avrid.ppo.metrics.read_metrics`), named the way the
+Input is the rows of ``metrics.jsonl`` (`avrid.ppo.outputs.metrics.read_metrics`), named the way the
 trainer names them:
 
 - ``train/reward`` and ``val/reward`` (validation runs only every few steps, so most rows have

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
-from avrid.ppo.tasks import Prompt
+from avrid.ppo.setup.task import Prompt
 
 DEFAULT_INSTRUCTION = "Let's think step by step and output the final answer after '####'."
 

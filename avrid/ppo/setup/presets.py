@@ -21,7 +21,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from avrid.ppo.config import (
+from avrid.ppo.setup.config import (
     AlgoConfig,
     ModelConfig,
     PlacementConfig,

@@ -48,20 +48,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from avrid.ppo.checkpoint import (
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.outputs.checkpoint import (
     Checkpoint,
     CorruptCheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from avrid.ppo.config import PPOConfig
-from avrid.ppo.export import export_checkpoint, tokenizer_record
-from avrid.ppo.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
-from avrid.ppo.outdir import OutDirError, OutDirLock, preflight, remove_stale_temp_dirs
-from avrid.ppo.plots import write_plots
-from avrid.ppo.reward_worker import response_text
-from avrid.ppo.trainer import Trainer
+from avrid.ppo.outputs.export import export_checkpoint, tokenizer_record
+from avrid.ppo.outputs.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
+from avrid.ppo.outputs.outdir import OutDirError, OutDirLock, preflight, remove_stale_temp_dirs
+from avrid.ppo.outputs.plots import write_plots
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.tokenizer import response_text
 
 SCHEDULE_FIELDS = ("steps", "resume", "resume_from", "progress", "val_every",
                    "checkpoint_every", "keep_checkpoints", "out_dir", "samples_per_step",
@@ -102,7 +102,7 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> Run
     Raises:
         OutDirError: (a ValueError) the output directory is busy, holds an earlier run that
             this one would overwrite, or has no checkpoint to resume from.
-        avrid.ppo.outdir.WriteError: (an OSError) an output path cannot be written.
+        avrid.ppo.outputs.outdir.WriteError: (an OSError) an output path cannot be written.
     """
     started = time.time()
     t = config.train

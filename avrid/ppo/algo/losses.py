@@ -14,7 +14,7 @@ exp(logp - old_logp) needs the two log-probabilities computed the same way: both
 
 A worker sees only its micro-batches of a mini-batch, so it weights each token with the WHOLE
 mini-batch's counts (`token_weights`); the sum over micro-batches and ranks is then exactly
-the mini-batch's loss (`actor.train_shard`).
+the mini-batch's loss (`forward.train_shard`).
 
 Which KL estimator where (d = log pi - log ref on tokens sampled from pi; Schulman 2020;
 Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"):
@@ -40,7 +40,7 @@ from typing import Literal, get_args
 
 import torch
 
-from avrid.ppo.advantages import check_mask
+from avrid.ppo.algo.advantages import check_mask
 
 KlKind = Literal["k1", "k2", "k3"]
 """Schulman's KL estimators (see `kl_estimate`)."""

@@ -10,7 +10,7 @@ Dispatch moves packed rows (chapter 2); a transformers model wants a right-padde
 - `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
 
 The loss weights that make data-parallel training exact are the RL math's
-(`losses.token_weights`); `actor.train_shard` applies them.
+(`losses.token_weights`); `forward.train_shard` applies them.
 """
 
 from __future__ import annotations
@@ -91,3 +91,54 @@ def packed(values: torch.Tensor, mask: torch.Tensor) -> Packed:
     offsets = torch.zeros(len(values) + 1, dtype=torch.int64)
     torch.cumsum(keep.sum(1), 0, out=offsets[1:])
     return Packed(values=values[keep], offsets=offsets)
+
+
+def with_responses(prompts: Batch, generated: Batch) -> Batch:
+    """Prompt rows + their generated "response" rows -> full sequences. Keeps the prompt
+    batch's scalar columns and the generated per-token columns (e.g. "rollout_logp") and
+    per-sample ones (e.g. "truncated")."""
+    if not torch.equal(prompts.sample_ids, generated.sample_ids):
+        raise ValueError("generated rows must come back in the prompt batch's order")
+    response = generated.packed["response"]
+    tokens = [torch.cat([prompts.packed["tokens"].row(i), response.row(i)])
+              for i in range(len(prompts))]
+    extra = {k: v for k, v in generated.packed.items() if k != "response"}
+    return Batch(sample_ids=prompts.sample_ids, prompt_lens=prompts.prompt_lens,
+                 response_lens=response.lengths, packed={"tokens": Packed.from_rows(tokens),
+                                                         **extra},
+                 scalars={**prompts.scalars, **generated.scalars})
+
+
+def add_columns(batch: Batch, *, packed: dict[str, Packed] | None = None,
+                scalars: dict[str, torch.Tensor] | None = None) -> Batch:
+    """`batch` with more columns (a batch is frozen: this makes a new one)."""
+    return Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
+                 response_lens=batch.response_lens, packed={**batch.packed, **(packed or {})},
+                 scalars={**batch.scalars, **(scalars or {})})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Totals:
+    """Global counts of one mini-batch (all ranks), the denominators of its loss."""
+
+    tokens: int
+    """Valid response tokens in the mini-batch."""
+    seqs: int
+    """Sequences in the mini-batch."""
+    norm_len: int
+    """The longest allowed response (Dr.GRPO's constant for seq-mean-token-sum-norm)."""
+
+    @classmethod
+    def of(cls, batch: Batch, norm_len: int) -> Totals:
+        """Count `batch` (the whole mini-batch, on the driver), leaving out the samples that
+        `sample_loss_mask` excludes: the loss is the mean over the samples that train."""
+        lens = batch.response_lens[sample_loss_mask(batch) != 0]
+        return cls(tokens=int(lens.sum()), seqs=len(lens), norm_len=norm_len)
+
+
+def sample_loss_mask(batch: Batch) -> torch.Tensor:
+    """(n,) float32: 1 for a sample that takes part in the actor and critic losses, 0 for one
+    left out — the batch's "loss_mask" scalar column (`trainer.compute_advantages` writes it,
+    e.g. 0 for truncated responses under algo.truncation=mask); all ones without it."""
+    keep = batch.scalars.get("loss_mask")
+    return torch.ones(len(batch)) if keep is None else keep.float()

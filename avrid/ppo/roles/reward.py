@@ -1,7 +1,7 @@
 """Chapter 5 — `RewardWorker`: scores responses with the task's verifiable reward.
 
 The reward role decodes each response (cut at the first EOS), looks up the prompt it answers
-and calls ``task.reward(prompt, text)``. Every value goes through `tasks.check_reward`, so a
+and calls ``task.reward(prompt, text)``. Every value goes through `task.check_reward`, so a
 user reward that returns NaN, inf or a string stops the step with an error naming the sample,
 the prompt and the value, instead of silently poisoning the advantages.
 
@@ -15,20 +15,11 @@ from __future__ import annotations
 import torch
 
 from avrid.dispatch import Shard
-from avrid.ppo.tasks import Prompt, Task, check_reward, load_task
-from avrid.ppo.tokenizer import Tokenizer
+from avrid.ppo.setup.catalog import load_task
+from avrid.ppo.setup.task import Prompt, Task, check_reward
+from avrid.ppo.setup.tokenizer import Tokenizer, response_text
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import Worker, WorkerIdentity
-
-TRAIN, VAL = 0, 1
-"""Values of the per-sample "split" column: which prompt list "prompt_index" points into."""
-
-
-def response_text(tokens: list[int], tokenizer: Tokenizer) -> str:
-    """Decode a response, dropping the first stop token (any EOS id) and anything after it."""
-    stops = set(tokenizer.stop_token_ids)
-    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-    return tokenizer.decode(tokens[:end])
 
 
 class RewardWorker(Worker):

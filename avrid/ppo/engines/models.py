@@ -9,12 +9,12 @@ chapter 4 see the same names on both.
 
 `pad_left` (the engine's prompt batch) keeps the one convention rollout and trainer must
 share for their log-probs to agree: position ids count from 0 at each row's first real token,
-whatever the padding, as `batching.model_inputs` (the trainer's right-padded batch) counts
+whatever the padding, as `columns.model_inputs` (the trainer's right-padded batch) counts
 them, so a row's numbers do not depend on the batch it was padded into. (With RoPE a shifted
 numbering changes the result by rounding only, since attention sees relative offsets, but
 the tests pin the gap near 1e-6 and a shift can run past `max_positions`.)
 
-Not here: sampling (`rollout`), the trainer's forward passes (`batching`, `actor`), the RL
+Not here: sampling (`torch_engine`), the trainer's forward passes (`columns`, `forward`), the RL
 math (`logprobs`), optimisers, FSDP wrapping, tokenizers.
 """
 
@@ -37,7 +37,7 @@ from transformers import (
     Qwen2ForTokenClassification,
 )
 
-from avrid.ppo.config import PPOConfig
+from avrid.ppo.setup.config import PPOConfig
 
 # eager, because it makes the rollout's log-probs closest to the trainer's on CPU: the engine
 # decodes one query at a time through the KV cache, the trainer runs the whole sequence, and

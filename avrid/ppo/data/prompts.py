@@ -21,8 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from avrid.dispatch import Batch, Packed
-from avrid.ppo.tasks import Prompt
-from avrid.ppo.tokenizer import Tokenizer
+from avrid.ppo.setup.task import Prompt
+from avrid.ppo.setup.tokenizer import Tokenizer
+
+TRAIN, VAL = 0, 1
+"""Values of the per-sample "split" column: which prompt list "prompt_index" points into."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,30 +101,6 @@ def prompt_batch(prompts: PromptSet, indices: Sequence[int], *, repeats: int, fi
                  scalars={"prompt_index": torch.tensor(index, dtype=torch.int64),
                           "split": torch.full((n,), split, dtype=torch.int64),
                           "group": torch.tensor(group, dtype=torch.int64)})
-
-
-def with_responses(prompts: Batch, generated: Batch) -> Batch:
-    """Prompt rows + their generated "response" rows -> full sequences. Keeps the prompt
-    batch's scalar columns and the generated per-token columns (e.g. "rollout_logp") and
-    per-sample ones (e.g. "truncated")."""
-    if not torch.equal(prompts.sample_ids, generated.sample_ids):
-        raise ValueError("generated rows must come back in the prompt batch's order")
-    response = generated.packed["response"]
-    tokens = [torch.cat([prompts.packed["tokens"].row(i), response.row(i)])
-              for i in range(len(prompts))]
-    extra = {k: v for k, v in generated.packed.items() if k != "response"}
-    return Batch(sample_ids=prompts.sample_ids, prompt_lens=prompts.prompt_lens,
-                 response_lens=response.lengths, packed={"tokens": Packed.from_rows(tokens),
-                                                         **extra},
-                 scalars={**prompts.scalars, **generated.scalars})
-
-
-def add_columns(batch: Batch, *, packed: dict[str, Packed] | None = None,
-                scalars: dict[str, torch.Tensor] | None = None) -> Batch:
-    """`batch` with more columns (a batch is frozen: this makes a new one)."""
-    return Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
-                 response_lens=batch.response_lens, packed={**batch.packed, **(packed or {})},
-                 scalars={**batch.scalars, **(scalars or {})})
 
 
 def mini_batches(n: int, size: int, min_size: int, gen: torch.Generator) -> list[torch.Tensor]:

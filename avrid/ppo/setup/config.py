@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from avrid.ppo.losses import AggMode, KlKind
+from avrid.ppo.algo.losses import AggMode, KlKind
 from avrid.workers.placement import Strategy
 
 # The allowed values of each choice, declared once: the field's type, its check and the
@@ -109,7 +109,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskConfig:
-    """Where prompts and rewards come from (see `tasks.load_task`)."""
+    """Where prompts and rewards come from (see `catalog.load_task`)."""
 
     name: str = "digits"
     """"digits" (built in), "gsm8k" (needs `path`), or "package.module:factory" (your own)."""

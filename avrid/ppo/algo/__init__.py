@@ -1,0 +1,12 @@
+"""The RL math: pure functions of tensors. No Ray, no models, no batches, no config.
+
+Read in this order:
+
+1. logprobs.py    log-probabilities and entropy of tokens from logits, at a temperature
+2. advantages.py  KL-penalised rewards, GAE, whitening, GRPO's group-normalised advantages
+3. losses.py      KL estimators, the four loss-aggregation modes as per-token weights, the
+                  clipped policy loss (dual clip, asymmetric clip) and the clipped value loss
+
+Every formula is in a docstring and checked against numbers worked by hand in
+tests/test_ppo_math.py; the same functions run on the driver and inside the workers.
+"""

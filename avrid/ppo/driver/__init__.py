@@ -1,0 +1,10 @@
+"""The driver: one process that places the roles and runs the loop.
+
+Read in this order:
+
+1. placement.py  where each role runs: pools and role specs from the config (chapter 1)
+2. trainer.py    `Trainer`: start the workers, `train_step` (the step as named phases),
+                 validation, `state` for checkpoints
+3. run.py        `train`: the whole run around the trainer — resume, validation cadence,
+                 metrics, samples, checkpoints, plots, export (what `avrid ppo` calls)
+"""

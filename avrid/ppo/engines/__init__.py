@@ -1,0 +1,12 @@
+"""Models and the engines that sample from them.
+
+Read in this order:
+
+1. models.py        tiny Qwen2-shaped policies and critics built from a config, local
+                    checkpoints loaded, the critic's value head
+2. torch_engine.py  the `RolloutEngine` protocol and `TorchEngine`, a hand-written KV-cache
+                    sampler whose log-probs match the trainer's forward pass
+3. vllm_engine.py   `VllmEngine`: the same protocol over a real ``vllm.LLM`` (CPU or GPU)
+
+No Ray here; the policy worker (`roles/policy.py`) owns an engine per rank.
+"""

@@ -1,0 +1,18 @@
+"""The worker roles: what each rank does with the shard it is sent. They run in worker
+processes (Ray actors) or, with the in-process backend, on threads of the driver.
+
+Read in this order:
+
+1. reward.py       `RewardWorker`: decode each response and score it with the task
+2. forward.py      what the actor and critic compute on a micro-batch, and the one training
+                   walk both updates share (`train_shard`)
+3. fsdp.py         sharding a model with FSDP2 and reading its full weights back
+4. trained.py      `TrainedWorker`: the base of the FSDP-trained roles (process group, build
+                   or load, shard, AdamW, restore, state, close)
+5. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
+6. weight_sync.py  the actor's shards into each rank's engine (chapter 4), fingerprint-checked
+7. critic.py       `CriticWorker`: values and the clipped value-loss update
+
+The driver (`driver/trainer.py`) calls their public methods through chapter 3's
+`run_shards`; nothing here knows about steps, checkpoints or the other roles.
+"""
