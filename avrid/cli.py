@@ -124,7 +124,7 @@ def _ppo(args: argparse.Namespace) -> None:
     import json
 
     from avrid.ppo.driver.run import config_dict, train
-    from avrid.ppo.setup.config import with_overrides
+    from avrid.ppo.setup.overrides import with_overrides
     from avrid.ppo.setup.presets import preset
 
     sets = []

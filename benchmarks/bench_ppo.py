@@ -75,7 +75,8 @@ from dataclasses import dataclass, field
 
 from avrid.ppo.data.prompts import step_indices
 from avrid.ppo.driver.trainer import Trainer
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.results import Timeline
 from avrid.results.timeline import DRIVER, Lane

@@ -21,7 +21,8 @@ from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
 from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.policy import PolicyWorker
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, Worker, plan_placement
 from tests.test_ppo_trainer import algorithmic

@@ -21,8 +21,8 @@ from avrid.ppo.outputs.checkpoint import (
     load_checkpoint,
     newest_intact_checkpoint,
     save_checkpoint,
-    verify_checkpoint,
 )
+from avrid.ppo.outputs.manifest import verify_checkpoint
 from avrid.ppo.outputs.outdir import WriteError, remove_stale_temp_dirs
 
 

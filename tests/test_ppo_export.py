@@ -27,7 +27,8 @@ from avrid.ppo.engines.models import (
 from avrid.ppo.outputs import export as export_module
 from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
 from avrid.ppo.outputs.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.tokenizer import CharTokenizer
 

@@ -26,7 +26,8 @@ from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.forward import train_shard
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.task import Prompt
 from avrid.results import ResultBuilder, run_shards
@@ -155,7 +156,8 @@ def test_one_ctrl_c_stops_an_in_process_run_stuck_in_a_worker(tmp_path: Path) ->
     ("train.mini_batch_size=1",),
     # Three sequences over two ranks, one per micro-batch: the rank with one sequence runs an
     # empty second micro-batch so that both run two forward/backward passes.
-    ("train.prompts_per_step=3", "train.mini_batch_size=3", "train.micro_batch_tokens=9"),
+    ("train.prompts_per_step=3", "train.mini_batch_size=3", "train.micro_batch_tokens=9",
+     "rollout.max_prompt_tokens=5"),
 ])
 def test_empty_shards_and_micro_batches_train_over_two_ranks(
         tmp_path: Path, ray_cluster: None, extra: tuple[str, ...]) -> None:

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from avrid.ppo.driver.run import train
-from avrid.ppo.setup.config import with_overrides
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

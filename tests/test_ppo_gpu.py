@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from avrid.ppo.driver.run import train
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

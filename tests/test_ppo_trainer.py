@@ -17,7 +17,8 @@ import pytest
 
 from avrid.ppo.driver.run import train
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.task import Prompt
 

@@ -23,7 +23,8 @@ from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
 from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.ppo.engines.vllm_engine import _completion
 from avrid.ppo.roles.policy import PolicyWorker
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.results import merge_metrics
 from avrid.workers import WorkerIdentity

@@ -20,7 +20,8 @@ from avrid.ppo.engines.models import build_tiny_critic, tiny_spec
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.forward import response_logprobs, response_values
 from avrid.ppo.roles.policy import PolicyWorker
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from avrid.ppo.driver.run import train
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from tests.test_ppo_trainer import algorithmic
 

@@ -121,7 +121,8 @@ def test_the_address_and_strategy_are_config_fields_checked_at_start(
     from avrid import cli
     from avrid.ppo.driver.placement import build_placement
     from avrid.ppo.driver.run import _check_resumable, config_dict
-    from avrid.ppo.setup.config import PPOConfig, with_overrides
+    from avrid.ppo.setup.config import PPOConfig
+    from avrid.ppo.setup.overrides import with_overrides
     from avrid.ppo.setup.tokenizer import load_tokenizer
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # `avrid ppo` adds the working dir

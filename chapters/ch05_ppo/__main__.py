@@ -27,7 +27,8 @@ from pathlib import Path
 from avrid.ppo.driver.run import save
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.outputs.plots import PHASES
-from avrid.ppo.setup.config import PPOConfig, with_overrides
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.results import Timeline
 

@@ -1,22 +1,22 @@
 """Chapter 5 — prompts in, batches out: the data side of the training loop.
 
-- `PromptSet`: a task's prompts of one split, tokenized once and checked against the
-  prompt-length cap (a too-long prompt fails at start, naming it).
+- `PromptSet`: a task's prompts of one split, each tokenized and checked against the
+  prompt-length cap when first read (a too-long prompt fails naming it).
 - `step_indices`: which training prompts step k uses. The order is a seeded permutation per
   epoch and the position is ``k * prompts_per_step``, so the data position is a function of
   the step: a run resumed at step k reads exactly what the uninterrupted run read.
 - `prompt_batch`: the prompts of a step, each repeated `responses_per_prompt` times, as a
   chapter 2 `Batch` (unique sample ids, the prompt's index and its group for GRPO).
-- `with_responses`: the same rows with the generated responses appended.
+- `mini_batches`: a step's samples shuffled and cut into the optimizer's mini-batches.
 
-No models and no Ray here; `trainer.py` calls these.
+No models and no Ray here; `driver/trainer.py` calls these. What a batch then grows (responses,
+scores, log-probs, advantages) is `columns.py`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -28,33 +28,49 @@ TRAIN, VAL = 0, 1
 """Values of the per-sample "split" column: which prompt list "prompt_index" points into."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class PromptSet:
-    """One split's prompts with their token ids."""
+    """One split's prompts, each tokenized and checked the first time a step reads it.
 
-    prompts: tuple[Prompt, ...]
-    token_ids: tuple[tuple[int, ...], ...]
+    Lazy on purpose: a task's split may be computed rather than stored. The digit task's
+    training split of 8-digit strings holds 10**8 prompts and a step reads a handful, so
+    tokenizing the whole split up front would take minutes and gigabytes for nothing. A
+    prompt longer than `max_tokens` (or empty) therefore fails when it is first read, naming
+    it — as verl's dataset does with ``truncation="error"``. The trainer reads the whole
+    validation split at start, so that one fails before anything runs.
 
-    @classmethod
-    def encode(cls, prompts: Sequence[Prompt], tokenizer: Tokenizer, *, max_tokens: int,
-               split: str) -> PromptSet:
-        """Tokenize every prompt; one longer than `max_tokens` (or empty) is an error."""
-        ids = []
-        for p in prompts:
-            toks = tuple(tokenizer.encode(p.text))
-            if not 1 <= len(toks) <= max_tokens:
-                raise ValueError(f"{split} prompt {p.index} ({p.text[:60]!r}) has {len(toks)} "
-                                 f"tokens; rollout.max_prompt_tokens allows 1..{max_tokens}")
-            ids.append(toks)
-        return cls(prompts=tuple(prompts), token_ids=tuple(ids))
+    Example:
+        >>> from avrid.ppo.setup.tokenizer import CharTokenizer
+        >>> s = PromptSet([Prompt(index=0, text="12=", answer="21")], CharTokenizer("0123456789="),
+        ...               max_tokens=8, split="train")
+        >>> len(s), s.token_ids(0)
+        (1, (3, 4, 12))
+    """
+
+    __slots__ = ("prompts", "split", "_tokenizer", "_max_tokens", "_ids")
+
+    def __init__(self, prompts: Sequence[Prompt], tokenizer: Tokenizer, *, max_tokens: int,
+                 split: str) -> None:
+        self.prompts = prompts
+        self.split = split
+        self._tokenizer = tokenizer
+        self._max_tokens = max_tokens
+        self._ids: dict[int, tuple[int, ...]] = {}  # the prompts read so far
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    @property
-    def longest(self) -> int:
-        """Tokens of the longest prompt."""
-        return max(len(t) for t in self.token_ids)
+    def token_ids(self, i: int) -> tuple[int, ...]:
+        """The token ids of prompt `i`; ValueError naming it if it is empty or too long."""
+        ids = self._ids.get(i)
+        if ids is None:
+            p = self.prompts[i]
+            ids = tuple(self._tokenizer.encode(p.text))
+            if not 1 <= len(ids) <= self._max_tokens:
+                raise ValueError(f"{self.split} prompt {p.index} ({p.text[:60]!r}) has "
+                                 f"{len(ids)} tokens; rollout.max_prompt_tokens allows "
+                                 f"1..{self._max_tokens}")
+            self._ids[i] = ids
+        return ids
 
 
 def step_indices(step: int, count: int, num_prompts: int, seed: int) -> list[int]:
@@ -90,7 +106,7 @@ def prompt_batch(prompts: PromptSet, indices: Sequence[int], *, repeats: int, fi
     rows, index, group = [], [], []
     for g, i in enumerate(indices):
         for _ in range(repeats):
-            rows.append(torch.tensor(prompts.token_ids[i], dtype=torch.int64))
+            rows.append(torch.tensor(prompts.token_ids(i), dtype=torch.int64))
             index.append(i)
             group.append(g)
     n = len(rows)

@@ -52,10 +52,6 @@ def build_placement(config: PPOConfig, tokenizer: Tokenizer, *,
             pools.append(ResourcePool.uniform("critic", p.critic_dp, cpus=p.cpus_per_worker,
                                               gpus=gpus, strategy=p.strategy))
             critic_pool = "critic"
-        if p.colocate_critic and p.critic_dp > p.actor_dp:
-            raise ValueError(f"config field 'placement.critic_dp': a colocated critic uses the "
-                             f"policy's {p.actor_dp} bundles, so it needs critic_dp <= "
-                             f"actor_dp, got {p.critic_dp}")
         roles.append(RoleSpec(role="critic", worker=CriticWorker, mesh=Mesh.of(dp=p.critic_dp),
                               pool=critic_pool, cpus=p.cpus_per_worker / share,
                               gpus=gpus / share if p.colocate_critic else gpus,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
@@ -57,6 +56,7 @@ from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.task import Task
 from avrid.ppo.setup.tokenizer import make_tokenizer
+from avrid.ppo.setup.validate import check_paths, validate
 from avrid.results import Merged, Span, Timeline, run_shards
 from avrid.workers import Cluster, InProcessBackend, PlacementPlan
 
@@ -70,21 +70,19 @@ class Trainer:
         t = config.task
         self.task: Task = load_task(t.name, **dict(t.options),
                                     **({"path": t.path} if t.path else {}))
+        validate(config, self.task)  # the rules that need the task: response budget, alphabet
         self.tokenizer = make_tokenizer(config, self.task)
         r = config.rollout
         self.max_response = r.max_response_tokens or self.task.max_response_tokens
-        self.train_set = PromptSet.encode(self.task.train_prompts(), self.tokenizer,
-                                          max_tokens=r.max_prompt_tokens, split="train")
+        # Prompts are tokenized when a step first reads them (a split may hold 10**8); the
+        # validation split is read whole at every validation, so check it now.
+        self.train_set = PromptSet(self.task.train_prompts(), self.tokenizer,
+                                   max_tokens=r.max_prompt_tokens, split="train")
         val = list(self.task.val_prompts())[:config.train.val_prompts]
-        self.val_set = PromptSet.encode(val, self.tokenizer, max_tokens=r.max_prompt_tokens,
-                                        split="val")
-        longest = max(self.train_set.longest, self.val_set.longest) + self.max_response
-        if config.train.micro_batch_tokens < longest:
-            budget = config.train.micro_batch_tokens
-            raise ValueError(f"config field 'train.micro_batch_tokens': {budget} is below "
-                             f"the longest allowed sequence "
-                             f"({longest} tokens = longest prompt + max response); a sequence "
-                             f"must fit in one micro-batch")
+        self.val_set = PromptSet(val, self.tokenizer, max_tokens=r.max_prompt_tokens,
+                                 split="val")
+        for i in range(len(self.val_set)):
+            self.val_set.token_ids(i)
         # FSDP ranks must run the same number of forward passes: same_micro_count.
         self.dispatch = DispatchConfig(micro_batch_tokens=config.train.micro_batch_tokens,
                                        same_micro_count=True)
@@ -326,22 +324,6 @@ def _truncated(batch: Batch, choice: str) -> torch.Tensor:
                              f"columns: {sorted(batch.scalars)}")
         return torch.zeros(len(batch))
     return column.float()
-
-
-def check_paths(config: PPOConfig) -> None:
-    """Every local path the config names must exist, checked before anything starts."""
-    m, t = config.model, config.task
-    for field, path, kind in (("model.path", m.path, "directory"),
-                              ("model.critic_path", m.critic_path, "directory"),
-                              ("model.tokenizer", None if m.tokenizer in (None, "char")
-                               else m.tokenizer, "directory"),
-                              ("task.path", t.path, "file")):
-        if path is None:
-            continue
-        ok = Path(path).is_dir() if kind == "directory" else Path(path).is_file()
-        if not ok:
-            raise ValueError(f"config field {field!r}: no local {kind} at {path!r} (nothing is "
-                             f"downloaded; point it at a local copy)")
 
 
 def _seed(config: PPOConfig, step: int) -> int:

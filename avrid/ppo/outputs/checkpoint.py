@@ -9,7 +9,7 @@ it back for a resume. A checkpoint directory looks like this::
       latest                 text: the name of the newest complete step directory
       step_000012/
         manifest.json        what the directory holds and the sha256 of every other file
-                             (written last, checked on load)
+                             (written last, checked on load: `manifest.py`)
         actor.safetensors    one full state dict per model name (safetensors.torch)
         critic.safetensors
         actor.optim.pt       one torch.save'd object per optimizer name
@@ -26,7 +26,9 @@ because the HF export (`export.py`) publishes its directory the same way; a fail
 raises `avrid.ppo.outputs.outdir.WriteError`: "could not write <file>: <cause>".
 
 Integrity: the manifest carries a sha256 per file, and `load_checkpoint` refuses a file that
-does not match (changed in place, truncated, bit rot), naming it. Loading the *latest*
+does not match (changed in place, truncated, bit rot), naming it. Writing, reading and
+checking the manifest (`write_manifest`, `verify_checkpoint`, the format version) live in
+`manifest.py`; this file decides what to do when a check fails. Loading the *latest*
 checkpoint of a root that turns out to be damaged raises `CorruptCheckpointError` naming it
 and the newest intact earlier step directory, which can then be loaded by its path. A
 `latest` pointer that is unreadable is refused the same way rather than guessed around.
@@ -38,7 +40,6 @@ damage, not a forger, who can rewrite the manifest too).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -52,15 +53,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from avrid.ppo.outputs.manifest import (
+    read_manifest,
+    read_verified,
+    verify_checkpoint,
+    write_manifest,
+)
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file, writing
 from avrid.results.timeline import atomic_write
 
 LATEST = "latest"
 """Name of the pointer file in the checkpoint root."""
-FORMAT_VERSION = 2
-"""Bumped when the layout changes; `load_checkpoint` refuses versions it does not know."""
-READABLE_FORMATS = (1, 2)
-"""Formats `load_checkpoint` reads. Format 1 had no checksums: its files load unverified."""
 
 _STEP_DIR = re.compile(r"step_(\d+)")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -165,13 +168,9 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
         write_file(tmp / "state.json", lambda p: p.write_text(state_text))
         if extra is not None:
             write_file(tmp / "extra.pt", lambda p: torch.save(dict(extra), p))
-        # Hashed from disk (the page cache), after the fsync: what a later load will read.
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
-        manifest = {"format": FORMAT_VERSION, "step": step, "weights": sorted(weights),
-                    "optimizers": sorted(optimizers), "extra": extra is not None,
-                    "files": files}
-        write_file(tmp / "manifest.json",
-                   lambda p: p.write_text(json.dumps(manifest, indent=1)))
+        # Last: hashes the files above as they are on disk, and marks the directory complete.
+        write_manifest(tmp, step=step, weights=weights, optimizers=optimizers,
+                       extra=extra is not None)
         with writing(root / name):
             os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
             fsync_dir(tmp)
@@ -257,22 +256,6 @@ def load_checkpoint(path: str | os.PathLike[str], *, models: Collection[str] | N
                                      f"{offer}", path=found, intact=intact) from e
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Check a step directory without loading it: a readable manifest of a known format,
-    and every file it lists present with its recorded sha256.
-
-    Raises:
-        FileNotFoundError / ValueError: as `load_checkpoint`, naming the file.
-    """
-    path = Path(path)
-    manifest = _manifest(path)
-    for name, digest in manifest.get("files", {}).items():
-        _verify(path / name, digest)
-    for name in _listed_files(manifest):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"checkpoint file missing: {path / name}")
-
-
 def newest_intact_checkpoint(root: str | os.PathLike[str], *,
                              before: int | None = None) -> Path | None:
     """The highest step directory under `root` (below step `before`, if given) that passes
@@ -286,16 +269,6 @@ def newest_intact_checkpoint(root: str | os.PathLike[str], *,
             continue
         return p
     return None
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks (a model file never sits in memory
-    twice)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -337,7 +310,7 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 
 def _load(path: Path, models: Collection[str] | None, training_state: bool) -> Checkpoint:
     """Load one step directory, verifying each file it reads."""
-    manifest = _manifest(path)
+    manifest = read_manifest(path)
     digests: dict[str, str] = manifest.get("files", {})
 
     # weights_only=False: optimizer and extra objects may hold arbitrary picklable values
@@ -346,7 +319,7 @@ def _load(path: Path, models: Collection[str] | None, training_state: bool) -> C
         return torch.load(p, map_location="cpu", weights_only=False)
 
     def read(name: str, reader: Callable[[Path], Any]) -> Any:
-        return _read(path / name, reader, digests.get(name))
+        return read_verified(path / name, reader, digests.get(name))
 
     wanted = manifest["weights"] if models is None else list(models)
     unknown = sorted(set(wanted) - set(manifest["weights"]))
@@ -364,41 +337,6 @@ def _load(path: Path, models: Collection[str] | None, training_state: bool) -> C
                       optimizers=optimizers, state=state, extra=extra)
 
 
-def _manifest(path: Path) -> dict[str, Any]:
-    manifest = _read(path / "manifest.json", lambda p: json.loads(p.read_text()))
-    version = manifest.get("format") if isinstance(manifest, dict) else None
-    if type(version) is not int or version not in READABLE_FORMATS:
-        raise ValueError(f"{path / 'manifest.json'}: format {version!r}, this code reads "
-                         f"formats {', '.join(map(str, READABLE_FORMATS))}")
-    shapes = {"step": int, "weights": list, "optimizers": list, "extra": bool}
-    if wrong := [k for k, kind in shapes.items() if not isinstance(manifest.get(k), kind)]:
-        raise ValueError(f"{path / 'manifest.json'} is malformed: {', '.join(wrong)} missing "
-                         f"or of the wrong type")
-    unchecked = ([] if version < 2 else sorted(set(_listed_files(manifest))
-                                                  - set(manifest.get("files") or {})))
-    if unchecked:  # every format-2 save records them all
-        raise ValueError(f"{path / 'manifest.json'} records no checksum for "
-                         f"{', '.join(unchecked)}: the manifest was edited or damaged")
-    return manifest
-
-
-def _listed_files(manifest: Mapping[str, Any]) -> list[str]:
-    """The files a manifest says its directory holds."""
-    return ([f"{m}.safetensors" for m in manifest["weights"]]
-            + [f"{o}.optim.pt" for o in manifest["optimizers"]]
-            + ["state.json"] + (["extra.pt"] if manifest["extra"] else []))
-
-
-def _verify(path: Path, digest: str | None) -> None:
-    """Refuse a missing file, or one whose sha256 is not `digest` (None: not recorded)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {path}")
-    if digest is not None and (got := sha256_file(path)) != digest:
-        raise ValueError(f"checkpoint file {path} does not match the checksum its manifest "
-                         f"recorded (sha256 {got[:12]}..., expected {digest[:12]}...): it "
-                         f"was changed or damaged after the checkpoint was written")
-
-
 def _step_of(path: Path) -> int:
     m = _STEP_DIR.fullmatch(path.name)
     return int(m.group(1)) if m else 0
@@ -414,11 +352,3 @@ def _bad_pointer(root: Path, problem: str) -> CorruptCheckpointError:
                                   f"corrupt: it {problem}; {fix}", path=root / LATEST,
                                   intact=newest)
 
-
-def _read(path: Path, read: Callable[[Path], Any], digest: str | None = None) -> Any:
-    """`read(path)` after checking its checksum, with errors that name the file."""
-    _verify(path, digest)
-    try:
-        return read(path)
-    except Exception as e:
-        raise ValueError(f"checkpoint file {path} is unreadable or corrupt: {e}") from e

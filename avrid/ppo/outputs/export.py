@@ -46,10 +46,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
-from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.engines.models import tiny_config, tiny_spec
-from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # checkpoints' atomic writes
+from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
+from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # as checkpoints
+from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"

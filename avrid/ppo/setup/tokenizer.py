@@ -243,13 +243,10 @@ def response_text(tokens: list[int], tokenizer: Tokenizer) -> str:
 
 
 def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
-    """The char tokenizer over the task's alphabet for tiny models, else a local one."""
+    """The char tokenizer over the task's alphabet for tiny models, else a local one
+    (`validate` has checked that a char tokenizer's task has an alphabet)."""
     m = config.model
     spec = m.tokenizer or ("char" if m.path is None else m.path)
     if spec == "char":
-        if task.alphabet is None:
-            raise ValueError(f"config field 'model.tokenizer': task {task.name!r} needs a real "
-                             f"tokenizer (it has no alphabet); set model.path or "
-                             f"model.tokenizer to a local tokenizer directory")
         return load_tokenizer(f"char:{task.alphabet}")
     return load_tokenizer(spec, chat_template=m.chat_template)

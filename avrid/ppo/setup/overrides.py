@@ -1,0 +1,82 @@
+"""Chapter 5 — ``section.field=value`` overrides: the command line's ``--set``.
+
+`with_overrides` parses each assignment into the field's declared type (bool, int, float,
+str, None, a `Literal` choice, a ``k:v,k:v`` mapping) and returns a new config, checked again
+by every section and by `validate`. Unknown sections or fields are refused, listing the
+allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from avrid.ppo.setup.config import PPOConfig
+
+
+def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
+    """A new config with ``section.field=value`` assignments applied and validated again.
+
+    Example:
+        >>> c = with_overrides(PPOConfig(), ["algo.name=grpo", "train.steps=5"])
+        >>> c.algo.name, c.train.steps
+        ('grpo', 5)
+    """
+    changes: dict[str, dict[str, Any]] = {}
+    for text in assignments:
+        key, sep, raw = text.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ValueError(f"override {text!r} must look like section.field=value")
+        if section not in PPOConfig.__dataclass_fields__:
+            raise ValueError(f"override {text!r}: unknown section {section!r}; allowed: "
+                             f"{', '.join(PPOConfig.__dataclass_fields__)}")
+        current = getattr(config, section)
+        names = [f.name for f in dataclasses.fields(current)]
+        if name not in names:
+            raise ValueError(f"override {text!r}: {section} has no field {name!r}; fields: "
+                             f"{', '.join(names)}")
+        hint = typing.get_type_hints(type(current))[name]
+        changes.setdefault(section, {})[name] = _parse(raw.strip(), hint, key)
+    # One replace per section, after all assignments: fields checked together (e.g. backend
+    # and dp) see their new values at once.
+    return dataclasses.replace(config, **{sec: dataclasses.replace(getattr(config, sec), **kw)
+                                          for sec, kw in changes.items()})
+
+
+def _parse(raw: str, hint: Any, key: str) -> Any:
+    """Turn a command-line string into the field's type (bool, int, float, str, None, dict)."""
+    origin = typing.get_origin(hint)
+    optional = origin in (typing.Union, types.UnionType)  # `float | None` and friends
+    args = typing.get_args(hint) if optional else ()
+    if raw.lower() in ("none", "null") and type(None) in args:
+        return None
+    if origin is Literal:
+        return raw
+    kind = next((a for a in args if a is not type(None)), hint)
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes")
+        if kind in (int, float, str):
+            return kind(raw)
+        if typing.get_origin(kind) in (Mapping, dict) or kind is Mapping:
+            pairs = [p.split(":", 1) for p in raw.split(",") if p]
+            return {k: _scalar(v) for k, v in pairs}
+    except ValueError:
+        raise ValueError(f"override {key}={raw!r}: expected a value of type "
+                         f"{getattr(kind, '__name__', kind)}") from None
+    return raw
+
+
+def _scalar(raw: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
