@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 
 from avrid.ppo.data.prompts import step_indices
 from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.outputs.plots import PHASES
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
@@ -82,8 +83,6 @@ from avrid.results import Timeline
 from avrid.results.timeline import DRIVER, Lane
 
 TARGET_OVERHEAD = 0.10  # on small-cpu: orchestration <= 10 % of a step
-PHASES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages",
-          "critic_update", "actor_update", "weight_sync")
 CALL_SPANS = ("plan", "send", "wait", "merge")  # run_shards' driver spans, in order
 BETWEEN = "(between phases)"
 # Where the overhead goes, in the order printed; their sum is step - compute.

@@ -19,14 +19,14 @@ fingerprints that add up across ranks (see `fingerprint.py`). This file does not
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from avrid.reshard.fingerprint import region_checksum
-from avrid.reshard.layout import ModelLayout, Region
+from avrid.reshard.layout import ModelLayout, ParamLayout, Region
 from avrid.reshard.planner import Bucket, TransferPlan
 
 
@@ -149,12 +149,7 @@ def layout_checksums(layout: ModelLayout, rank: int | None,
     a replicated norm on TP rank 1 would pass): use `slice_checksums` against
     `expected_slice_checksums` to check every target rank's own slice, replicas included."""
     out: dict[str, int] = {}
-    if rank is None:
-        return out
-    for name, p in layout.params:
-        region = p.regions[rank]
-        if region is None:
-            continue
+    for name, p, region in _held(layout, rank):
         if p.allow_overlap and any(r is not None and r.intersect(region) is not None
                                    for r in p.regions[:rank]):
             continue  # replicated: the lowest holder speaks for it
@@ -166,10 +161,8 @@ def slice_checksums(target: ModelLayout, rank: int | None,
                     tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Checksum of each slice target rank `rank` holds, keyed ``"name@t<rank>"``: one entry
     per (parameter, target rank), so a stale replica is caught and located."""
-    if rank is None:
-        return {}
-    return {f"{name}@t{rank}": region_checksum(tensors[name], p.shape, p.regions[rank].bounds)
-            for name, p in target.params if p.regions[rank] is not None}
+    return {f"{name}@t{rank}": region_checksum(tensors[name], p.shape, region.bounds)
+            for name, p, region in _held(target, rank)}
 
 
 def expected_slice_checksums(source: ModelLayout, target: ModelLayout, rank: int | None,
@@ -179,12 +172,7 @@ def expected_slice_checksums(source: ModelLayout, target: ModelLayout, rank: int
     every source rank's dict (`fingerprint.combine`) gives `slice_checksums` of a correct
     sync, computed without gathering anything."""
     out: dict[str, int] = {}
-    if rank is None:
-        return out
-    for name, p in source.params:
-        held = p.regions[rank]
-        if held is None:
-            continue
+    for name, p, held in _held(source, rank):
         pieces = [held]
         for lower in p.regions[:rank] if p.allow_overlap else ():
             if lower is not None:  # elements a lower rank also holds are counted there
@@ -198,6 +186,16 @@ def expected_slice_checksums(source: ModelLayout, target: ModelLayout, rank: int
                                             p.shape, part.bounds)
                     out[key] = (out.get(key, 0) + value) % (1 << 64)
     return out
+
+
+def _held(layout: ModelLayout, rank: int | None) -> Iterator[tuple[str, ParamLayout, Region]]:
+    """(name, parameter layout, region) for each parameter rank `rank` holds a region of;
+    nothing for a process that is not a rank of `layout` (rank None)."""
+    if rank is None:
+        return
+    for name, p in layout.params:
+        if p.regions[rank] is not None:
+            yield name, p, p.regions[rank]
 
 
 def _allocate(layout: ModelLayout, rank: int | None,

@@ -20,14 +20,20 @@ it does not merge (`merge.py`) or draw (`timeline.py`).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from avrid.dispatch import Batch, Packed, Shard
-from avrid.results.result import RESULT_VERSION, Metric, Reduction, Span, WorkerResult
+from avrid.results.result import (
+    RESULT_VERSION,
+    Metric,
+    Reduction,
+    Span,
+    WorkerResult,
+    timed,
+)
 from avrid.workers import WorkerIdentity
 
 
@@ -57,14 +63,9 @@ class ResultBuilder:
         """A builder for the shard a worker was sent."""
         return cls(identity, shard.batch, data_axis=data_axis)
 
-    @contextmanager
-    def span(self, name: str) -> Iterator[None]:
+    def span(self, name: str) -> AbstractContextManager[None]:
         """Time the enclosed work as a span called `name` (kept even if it raises)."""
-        start = time.time()
-        try:
-            yield
-        finally:
-            self._spans.append(Span(name=name, start=start, end=time.time()))
+        return timed(self._spans, name)
 
     def add(self, sample_ids: Sequence[int] | torch.Tensor, *,
             packed: Mapping[str, Sequence[torch.Tensor] | Packed] | None = None,

@@ -17,7 +17,9 @@ the driver is `merge.py`; drawing their spans is `timeline.py`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,6 +109,17 @@ class Span:
     def duration(self) -> float:
         """Seconds between start and end."""
         return self.end - self.start
+
+
+@contextmanager
+def timed(spans: list[Span], name: str) -> Iterator[None]:
+    """Time the enclosed work and append it to `spans` as a span called `name` (kept even if
+    the work raises: a failed phase still shows on the timeline)."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        spans.append(Span(name=name, start=start, end=time.time()))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

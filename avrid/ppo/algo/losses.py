@@ -57,6 +57,13 @@ _MAX_LOG_RATIO = 20.0
 _MAX_K3 = 10.0
 
 
+def _checked(mask: torch.Tensor, **inputs: torch.Tensor) -> list[torch.Tensor]:
+    """[mask as bool, *inputs as float32 with padding zeroed], each input shape-checked
+    against the mask (whose shape is the first input's)."""
+    m = check_mask(mask, next(iter(inputs.values())).shape)
+    return [m, *(_check_like(name, t, m) for name, t in inputs.items())]
+
+
 def _check_like(name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Shape-check a (B, T) input against its mask; return it as float32 with padding zeroed."""
     if tuple(t.shape) != tuple(mask.shape):
@@ -253,10 +260,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"clip_high must be > 0, got {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    m = check_mask(mask, logp.shape)
-    lp = _check_like("logp", logp, m)
-    old = _check_like("old_logp", old_logp, m).detach()
-    adv = _check_like("advantages", advantages, m).detach()
+    m, lp, old, adv = _checked(mask, logp=logp, old_logp=old_logp, advantages=advantages)
+    old, adv = old.detach(), adv.detach()  # targets: the gradient flows through logp only
     # Padding has log-ratio 0, so ratio 1 there: exp never sees garbage, grads stay finite.
     log_ratio = (lp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -304,10 +309,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be > 0 (or None), got {clip}")
-    m = check_mask(mask, values.shape)
-    v = _check_like("values", values, m)
-    old = _check_like("old_values", old_values, m).detach()
-    ret = _check_like("returns", returns, m).detach()
+    m, v, old, ret = _checked(mask, values=values, old_values=old_values, returns=returns)
+    old, ret = old.detach(), ret.detach()  # targets: the gradient flows through values only
     unclipped = (v - ret) ** 2
     if clip is None:
         per_token = 0.5 * unclipped

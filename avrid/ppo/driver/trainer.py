@@ -23,8 +23,7 @@ resumed run continues exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -58,6 +57,7 @@ from avrid.ppo.setup.task import Task
 from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.ppo.setup.validate import check_paths, validate
 from avrid.results import Merged, Span, Timeline, run_shards
+from avrid.results.result import timed
 from avrid.workers import Cluster, InProcessBackend, PlacementPlan
 
 
@@ -339,13 +339,9 @@ class _Phases:
         self.spans: list[Span] = []
         self.merged: list[Merged] = []
 
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t = time.time()
-        try:
-            yield
-        finally:
-            self.spans.append(Span(name=name, start=t, end=time.time()))
+    def __call__(self, name: str) -> AbstractContextManager[None]:
+        """Time the phase `name` (a driver span on the timeline)."""
+        return timed(self.spans, name)
 
     def add(self, merged: Merged) -> Merged:
         self.merged.append(merged)

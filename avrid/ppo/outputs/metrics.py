@@ -33,13 +33,26 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from avrid.ppo.outputs.outdir import writing
 from avrid.results.timeline import atomic_write
 
 PROGRESS_KEYS = ("train/reward", "val/reward", "time/step")
 """The metrics `Progress` and `format_step` show by default."""
+
+
+class _ClosedOnExit:
+    """``with Writer(...) as w:`` closes `w` on the way out, after an error too."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _JsonlAppender:
@@ -74,7 +87,7 @@ class _JsonlAppender:
                 file.close()
 
 
-class MetricsLogger:
+class MetricsLogger(_ClosedOnExit):
     """Per-step metrics to a JSONL file, plus optional TensorBoard / W&B mirrors.
 
     Args:
@@ -147,14 +160,9 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
 
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
-class SampleDump:
+class SampleDump(_ClosedOnExit):
     """A few generated samples per step, one JSON line each: ``{"step", "prompt",
     "response", "reward", ...}`` (whatever keys the rows carry). Same resume semantics as
     `MetricsLogger`; tensors and numpy values are converted with ``.tolist()``."""
@@ -175,11 +183,6 @@ class SampleDump:
     def close(self) -> None:
         self._out.close()
 
-    def __enter__(self) -> SampleDump:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -203,7 +206,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
-class Progress:
+class Progress(_ClosedOnExit):
     """A tqdm progress bar over training steps with a short postfix: train reward, val
     reward (when that step has one) and seconds per step.
 
@@ -236,11 +239,6 @@ class Progress:
     def close(self) -> None:
         self._bar.close()
 
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def format_step(step: int, metrics: Mapping[str, Any],
