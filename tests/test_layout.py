@@ -25,7 +25,7 @@ STEP_FILES = [
 order chapters/ch05_ppo/README.md gives them."""
 
 STEP_FUNCTIONS = ("train_step", "_update", "_metrics", "compute_advantages", "_truncated",
-                  "_seed", "_Phases")
+                  "step_seed", "_Phases")
 """`train_step` and the helpers of trainer.py it calls."""
 
 

@@ -186,7 +186,7 @@ class Trainer:
         with phases("generate"):
             gen = phases.add(run_shards(
                 self.policy, PolicyWorker.generate, prompts, None,
-                max_new_tokens=self.max_response, greedy=False, seed=_seed(cfg, step)))
+                max_new_tokens=self.max_response, greedy=False, seed=step_seed(cfg, step)))
             batch = with_responses(prompts, gen.batch)
         with phases("reward"):
             scored = phases.add(run_shards(self.reward, RewardWorker.score, batch))
@@ -227,7 +227,7 @@ class Trainer:
                 phases: _Phases) -> list[Merged]:
         """`ppo_epochs` passes of shuffled mini-batches, one optimizer step each."""
         t = self.config.train
-        gen = torch.Generator().manual_seed(_seed(self.config, step) + 1)
+        gen = torch.Generator().manual_seed(step_seed(self.config, step) + 1)
         out = []
         for _ in range(t.ppo_epochs):
             for chunk in mini_batches(len(batch), t.mini_batch_size, group.world_size, gen):
@@ -265,7 +265,7 @@ class Trainer:
                                split=VAL)
         gen = run_shards(self.policy, PolicyWorker.generate, prompts, None,
                          max_new_tokens=self.max_response, greedy=r.val_greedy,
-                         seed=_seed(self.config, -1))
+                         seed=step_seed(self.config, -1))
         batch = with_responses(prompts, gen.batch)
         scored = run_shards(self.reward, RewardWorker.score, batch)
         return {"val/reward": float(scored.batch.scalars["score"].mean()),
@@ -326,8 +326,9 @@ def _truncated(batch: Batch, choice: str) -> torch.Tensor:
     return column.float()
 
 
-def _seed(config: PPOConfig, step: int) -> int:
-    """The sampling seed of `step` (-1: validation); each rank adds its rank."""
+def step_seed(config: PPOConfig, step: int) -> int:
+    """The sampling seed of `step` (-1: validation), from (train.seed, step) alone; each rank
+    adds its rank, and the step's mini-batch shuffle uses this + 1."""
     return config.train.seed * 1_000_003 + (step + 1) * 7919
 
 
