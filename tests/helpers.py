@@ -27,6 +27,7 @@ class GradRecorder:
 
     def __init__(self, model: Any) -> None:
         self.model, self.grads = model, {}
+        self.param_groups: list[dict[str, Any]] = [{"lr": 0.0}]  # the workers set the lr here
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model.parameters():

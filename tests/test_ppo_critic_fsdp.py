@@ -47,7 +47,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         sharded = any(hasattr(p, "full_tensor") for p in worker.model.parameters())
         worker.optimizer = GradRecorder(worker.model)
         worker.compute_values(shard)
-        worker.update(shard, totals=Totals.of(batch, NORM_LEN))
+        worker.update(shard, totals=Totals.of(batch, NORM_LEN), step=0)
         worker.close()
     torch.save({"grads": worker.optimizer.grads, "sharded": sharded,
                 "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]},

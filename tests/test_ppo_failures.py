@@ -79,7 +79,7 @@ def test_a_rank_failing_while_its_peer_waits_in_a_collective_is_reported_at_once
             started = time.monotonic()
             # Rank 1 raises at once; rank 0 is left in its first all-gather, waiting for it.
             run_shards(trainer.critic, CriticWorker.update, batch, trainer.dispatch,
-                       totals=Totals.of(batch, trainer.max_response))
+                       totals=Totals.of(batch, trainer.max_response), step=0)
     elapsed = time.monotonic() - started  # the error, the kill of the rest and the exit
     assert (err.value.role, err.value.rank, err.value.method) == ("critic", 1, "update")
     assert "NoneType" in err.value.headline  # the remote exception's own message

@@ -72,6 +72,21 @@ def test_top_k_samples_only_from_the_top_k(policy: torch.nn.Module, engine: Torc
         assert torch.allclose(torch.tensor(c.logprobs), full, atol=1e-5)
 
 
+def test_top_p_samples_only_from_the_nucleus(policy: torch.nn.Module,
+                                            engine: TorchEngine) -> None:
+    done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, top_p=0.3, seed=5))
+    for prompt, c in zip(PROMPTS, done, strict=True):
+        seq = torch.tensor([prompt + list(c.token_ids)])
+        probs = torch.softmax(policy(input_ids=seq).logits[0, len(prompt) - 1:-1], -1)
+        for i, t in enumerate(c.token_ids):
+            # the token's own probability plus all more likely ones: its mass "before" it
+            # must be below top_p for it to be in the nucleus
+            before = float(probs[i][probs[i] > probs[i, t]].sum())
+            assert before < 0.3
+        full = logprobs_from_logits(torch.log(probs), torch.tensor(c.token_ids))
+        assert torch.allclose(torch.tensor(c.logprobs), full, atol=1e-5)  # full vocabulary
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens(engine: TorchEngine) -> None:
     params = SamplingParams(max_new_tokens=10, seed=7)
     first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)

@@ -20,7 +20,8 @@ from avrid.ppo.engines.models import build_tiny_critic, tiny_spec
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.forward import response_logprobs, response_values
 from avrid.ppo.roles.policy import PolicyWorker
-from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.roles.trained import lr_at
+from avrid.ppo.setup.config import PPOConfig, TrainConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder
@@ -67,7 +68,7 @@ def critic_grads(cfg: PPOConfig, batch: Batch) -> dict[str, torch.Tensor]:
     worker = CriticWorker(identity("critic"), config=cfg, vocab_size=VOCAB, pad_id=PAD)
     worker.setup()
     worker.optimizer = GradRecorder(worker.model)
-    worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN))
+    worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN), step=0)
     return worker.optimizer.grads
 
 
@@ -84,7 +85,7 @@ def actor_grads(cfg: PPOConfig, batch: Batch) -> dict[str, torch.Tensor]:
                   response_lens=batch.response_lens, scalars=batch.scalars,
                   packed={**batch.packed, **{k: packed(v, mask) for k, v in columns.items()}})
     worker.optimizer = GradRecorder(worker.model)
-    worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN))
+    worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN), step=0)
     return worker.optimizer.grads
 
 
@@ -136,3 +137,36 @@ def test_totals_leave_masked_samples_out() -> None:
     assert Totals.of(batch, NORM_LEN) == Totals(tokens=3 + 4, seqs=2, norm_len=NORM_LEN)
     assert Totals.of(make_batch(), NORM_LEN) == Totals(tokens=10, seqs=4, norm_len=NORM_LEN)
 
+
+
+# ---- the learning-rate schedule ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_learning_rate_warms_up_then_follows_the_schedule(schedule: str) -> None:
+    t = TrainConfig(steps=10, lr_warmup_steps=4, lr_schedule=schedule, min_lr_ratio=0.1)
+    lrs = [lr_at(t, 2.0, k) for k in range(10)]
+    assert lrs[:4] == [0.5, 1.0, 1.5, 2.0]  # (k + 1) / 4 of the rate
+    assert lrs[4] == 2.0  # the schedule starts at the full rate
+    if schedule == "constant":
+        assert lrs[4:] == [2.0] * 6
+    else:  # decays to min_lr_ratio x lr at the last step, never rising on the way
+        assert lrs[-1] == pytest.approx(0.2)
+        assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    if schedule == "cosine":  # half-way through the decay: the mean of the ends
+        assert lr_at(TrainConfig(steps=5, lr_schedule="cosine"), 1.0, 2) == pytest.approx(0.5)
+
+
+def test_the_defaults_keep_the_rate_exactly() -> None:
+    assert all(lr_at(TrainConfig(), 1e-3, k) == 1e-3 for k in range(200))
+
+
+def test_an_update_trains_at_its_steps_rate_and_logs_it() -> None:
+    cfg = config("train.steps=6", "train.lr_warmup_steps=3", "train.critic_lr=0.03")
+    worker = CriticWorker(identity("critic"), config=cfg, vocab_size=VOCAB, pad_id=PAD)
+    worker.setup()
+    batch = make_batch()
+    for step, want in [(0, 0.01), (1, 0.02), (4, 0.03)]:
+        result = worker.update(shard_of(batch), totals=Totals.of(batch, NORM_LEN), step=step)
+        assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(want)
+        assert {m.name: m.value for m in result.metrics}["critic/lr"] == pytest.approx(want)

@@ -233,7 +233,8 @@ class Trainer:
             for chunk in mini_batches(len(batch), t.mini_batch_size, group.world_size, gen):
                 mb = batch.take(chunk)
                 out.append(phases.add(run_shards(group, method, mb, self.dispatch,
-                                                 totals=Totals.of(mb, self.max_response))))
+                                                 totals=Totals.of(mb, self.max_response),
+                                                 step=step)))
         return out
 
     def _metrics(self, batch: Batch, merged: list[Merged], phases: _Phases) -> dict[str, float]:

@@ -34,8 +34,9 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """How to sample. `top_k=0` is off; `greedy` takes the argmax (and, like vLLM, no
-    temperature: leave it at 1.0, the temperature its log-probs are reported at).
+    """How to sample. `top_k=0` and `top_p=1.0` are off; `greedy` takes the argmax (and, like
+    vLLM, no temperature: leave it at 1.0, the temperature its log-probs are reported at).
+    With both on, top-k is applied first, then top-p within it (vLLM's order).
 
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7).top_k
@@ -49,6 +50,7 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int = 0
+    top_p: float = 1.0
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
@@ -64,6 +66,8 @@ class SamplingParams:
                              f"vLLM reports greedy log-probs at 1.0), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not isinstance(self.stop_token_ids, tuple):
             raise ValueError(f"stop_token_ids must be a tuple, got {self.stop_token_ids!r}")
 
@@ -199,6 +203,8 @@ class TorchEngine:
             kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
+        if params.top_p < 1.0:
+            probs = _nucleus(probs, params.top_p)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -226,3 +232,20 @@ class TorchEngine:
             return
         self.model.to(self._awake_device)
         self._awake_device = None
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` (B, vocab) cut to the smallest set of most likely tokens whose mass reaches
+    `top_p` (the nucleus; the most likely token always stays), unnormalised: `multinomial`
+    only needs proportions.
+
+    Example:
+        >>> _nucleus(torch.tensor([[0.5, 0.3, 0.2]]), 0.7).tolist()
+        [[0.5, 0.30000001192092896, 0.0]]
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # A token stays if the mass of the tokens before it is still below top_p.
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return probs.masked_fill(~keep, 0.0)

@@ -12,9 +12,10 @@ trainer's mean (`logprobs.logprobs_from_logits`):
 
 - ``logprobs_mode="processed_logprobs"``: vLLM's default (raw) log-probs come from the logits
   BEFORE temperature; processed ones are after it, i.e. log softmax(logits / T), ours.
-- With ``top_k > 0`` vLLM's processed log-probs are renormalised over the top-k support: they
-  exceed ours by -log(mass of the top k) >= 0. We do not correct this (the mass is not
-  returned); keep top_k off for PPO with vLLM, or expect that offset in `rollout/logprob_gap`.
+- With ``top_k > 0`` or ``top_p < 1`` vLLM's processed log-probs are renormalised over the
+  kept support: they exceed ours by -log(mass kept) >= 0. We do not correct this (the mass is
+  not returned); keep both off for PPO with vLLM, or expect that offset in
+  `rollout/logprob_gap`.
 - ``ignore_eos=True``: only the caller's `stop_token_ids` stop a row, as in `TorchEngine`
   (the trainer passes every EOS id of the tokenizer's generation config).
 
@@ -142,6 +143,7 @@ class VllmEngine:
             # our SamplingParams pins greedy's temperature to 1.0.
             temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k,  # 0 = off, as ours (older vLLMs wanted -1)
+            top_p=params.top_p,
             seed=None if params.greedy else request_seed(params.seed, index),
             logprobs=0,  # just the sampled token's
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False)

@@ -59,10 +59,12 @@ class CriticWorker(TrainedWorker):
                 builder.metric("critic/values", values[x.response_mask.bool()], "mean_tokens")
         return builder.build()
 
-    def update(self, shard: Shard, *, totals: Totals) -> WorkerResult:
-        """One optimizer step of the clipped value loss on this rank's mini-batch shard."""
+    def update(self, shard: Shard, *, totals: Totals, step: int) -> WorkerResult:
+        """One optimizer step of the clipped value loss on this rank's mini-batch shard, at
+        training step `step`'s learning rate (`trained.lr_at`)."""
         a = self.config.algo
         builder = ResultBuilder.for_shard(self.identity, shard)
+        self._set_lr(step, builder, "critic")  # warm-up / schedule: a function of the step
 
         def loss_fn(x: ModelInputs, mb, w: torch.Tensor, b: ResultBuilder) -> torch.Tensor:
             values = response_values(self.model, x)

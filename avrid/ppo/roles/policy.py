@@ -152,6 +152,7 @@ class PolicyWorker(TrainedWorker):
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy,
                                 temperature=1.0 if greedy else r.temperature,
                                 top_k=0 if greedy else r.top_k,
+                                top_p=1.0 if greedy else r.top_p,
                                 stop_token_ids=self.stop_ids,
                                 seed=seed + self.identity.rank)  # one stream per rank
         with builder.span("generate"):
@@ -195,10 +196,12 @@ class PolicyWorker(TrainedWorker):
 
     # ---- training --------------------------------------------------------------------------
 
-    def update(self, shard: Shard, *, totals: Totals) -> WorkerResult:
-        """One PPO optimizer step of the actor on its shard of a mini-batch."""
+    def update(self, shard: Shard, *, totals: Totals, step: int) -> WorkerResult:
+        """One PPO optimizer step of the actor on its shard of a mini-batch, at training step
+        `step`'s learning rate (`trained.lr_at`)."""
         a = self.config.algo
         builder = ResultBuilder.for_shard(self.identity, shard)
+        self._set_lr(step, builder, "actor")  # warm-up / schedule: a function of the step
         kl_loss = a.kl_coef > 0 and a.kl_in == "loss"
         need_entropy = a.entropy_coef > 0
 

@@ -30,13 +30,15 @@ when to save).
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from avrid.ppo.roles import fsdp
-from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.config import PPOConfig, TrainConfig
+from avrid.results import ResultBuilder
 from avrid.workers import Worker, WorkerIdentity
 
 
@@ -119,6 +121,16 @@ class TrainedWorker(Worker, abc.ABC):
         """Called once with the whole model (on its device, weights restored) just before
         FSDP2 shards it in place: the moment to copy anything out of it. Nothing here."""
 
+    def _set_lr(self, step: int, builder: ResultBuilder, prefix: str) -> None:
+        """Set the optimizer's learning rate for training step `step` (`lr_at`); it is
+        logged as <prefix>/lr only when a warm-up or schedule makes it move."""
+        t = self.config.train
+        lr = lr_at(t, self.lr, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if t.lr_warmup_steps > 0 or t.lr_schedule != "constant":
+            builder.metric(f"{prefix}/lr", lr, "max")  # the same on every rank
+
     def state(self) -> ModelState:
         """Full weights (rank 0 only, others None) and this rank's optimizer state."""
         full = fsdp.full_state_dict(self.model)  # a collective: every rank takes part
@@ -128,3 +140,28 @@ class TrainedWorker(Worker, abc.ABC):
     def close(self) -> None:
         """Leave the process group (all ranks at once)."""
         self.destroy_distributed()
+
+
+def lr_at(train: TrainConfig, lr: float, step: int) -> float:
+    """The learning rate of training step `step` (0-based) for a role whose rate is `lr`:
+    a linear warm-up over `train.lr_warmup_steps`, then `train.lr_schedule` down to
+    ``train.min_lr_ratio * lr`` at the last step. A function of the step alone (no scheduler
+    state), so a resumed run continues the same curve; the defaults give `lr` itself.
+
+    Example:
+        >>> t = TrainConfig(steps=5, lr_warmup_steps=2, lr_schedule="linear")
+        >>> [round(lr_at(t, 1.0, k), 3) for k in range(5)]
+        [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
+    if step < train.lr_warmup_steps:
+        return lr * (step + 1) / train.lr_warmup_steps
+    if train.lr_schedule == "constant":
+        return lr
+    # 0 when the warm-up ends, 1 at the last step
+    progress = min(1.0, (step - train.lr_warmup_steps)
+                   / max(1, train.steps - 1 - train.lr_warmup_steps))
+    if train.lr_schedule == "linear":
+        scale = 1.0 - progress
+    else:  # cosine
+        scale = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr * (train.min_lr_ratio + (1.0 - train.min_lr_ratio) * scale)

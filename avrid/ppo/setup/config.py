@@ -43,6 +43,8 @@ Dtype = Literal["float32", "bfloat16"]
 KlPlace = Literal["reward", "loss"]
 Truncation = Literal["keep", "mask", "penalty"]
 """What to do with a response cut off at the response budget (finish reason "length")."""
+LrSchedule = Literal["constant", "linear", "cosine"]
+"""How both learning rates move after the warm-up (see `TrainConfig.lr_schedule`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,12 +74,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         finite("model", self)
         positive("model", hidden_size=self.hidden_size, num_layers=self.num_layers,
-                  num_heads=self.num_heads)
+                 num_heads=self.num_heads)
         need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
-              f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
+             f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
         one_of("model.dtype", self.dtype, Dtype, "dtype")
         need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
-              "a tiny model (no model.path) uses the 'char' tokenizer")
+             "a tiny model (no model.path) uses the 'char' tokenizer")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,15 +95,15 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
-              "'package.module:factory'")
+             "'package.module:factory'")
         need(self.name != "gsm8k" or self.path is not None, "task.path",
-              "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
+             "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
         for key, value in dict(self.options).items():
             # Options are saved in every checkpoint's state.json and compared on resume, so
             # they must be plain, finite JSON values (a NaN would only fail at the first save).
             need(_plain_json(value), f"task.options.{key}",
-                  f"must be a string, a bool, an int, a finite float, None or a list of "
-                  f"those, got {value!r}")
+                 f"must be a string, a bool, an int, a finite float, None or a list of "
+                 f"those, got {value!r}")
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
 
 
@@ -165,23 +167,23 @@ class AlgoConfig:
             v = getattr(self, name)
             need(0.0 <= v <= 1.0, f"algo.{name}", f"must be in [0, 1], got {v}")
         need(0.0 < self.clip_low < 1.0, "algo.clip_low",
-              f"must be in (0, 1) (ratio >= 1 - clip_low > 0), got {self.clip_low}")
+             f"must be in (0, 1) (ratio >= 1 - clip_low > 0), got {self.clip_low}")
         need(0.0 < self.clip_high <= 10.0, "algo.clip_high",
-              f"must be in (0, 10], got {self.clip_high}")
+             f"must be in (0, 10], got {self.clip_high}")
         need(self.dual_clip is None or self.dual_clip > 1.0, "algo.dual_clip",
-              f"must be > 1 or None, got {self.dual_clip}")
+             f"must be > 1 or None, got {self.dual_clip}")
         need(self.value_clip is None or self.value_clip > 0, "algo.value_clip",
-              f"must be > 0 or None, got {self.value_clip}")
+             f"must be > 0 or None, got {self.value_clip}")
         need(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "algo.kl_coef",
-              f"must be a finite number >= 0, got {self.kl_coef}")
+             f"must be a finite number >= 0, got {self.kl_coef}")
         one_of("algo.kl_in", self.kl_in, KlPlace, "place for the KL")
         one_of("algo.kl_kind", self.kl_kind, KlKind, "KL estimator")
         need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         one_of("algo.loss_agg", self.loss_agg, AggMode, "mode")
         one_of("algo.truncation", self.truncation, Truncation, "choice")
         need(math.isfinite(self.truncation_penalty) and self.truncation_penalty > 0,
-              "algo.truncation_penalty",
-              f"must be a finite number > 0, got {self.truncation_penalty}")
+             "algo.truncation_penalty",
+             f"must be a finite number > 0, got {self.truncation_penalty}")
 
     @property
     def uses_critic(self) -> bool:
@@ -199,11 +201,16 @@ class RolloutConfig:
     max_response_tokens: int | None = None
     """Cap on generated tokens; None = the task's hint."""
     max_prompt_tokens: int = 64
-    """Longest prompt accepted; longer prompts fail at start with the prompt named."""
+    """Longest prompt accepted; a longer one fails, named, when a step first reads it (the
+    validation prompts are all read at start)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are of softmax(logits / temperature))."""
     top_k: int = 0
     """Sample among the k most likely tokens only; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample among the most likely tokens whose mass reaches top_p; 1.0 =
+    off. The trainer's log-probs stay over the full vocabulary, so with top_p < 1 the ratio
+    of the first update is no longer exactly 1 (see `rollout/logprob_gap`)."""
     val_greedy: bool = True
     """Validation decodes greedily (the reward the trained policy gets, without sampling luck)."""
     gpu_memory_utilization: float = 0.4
@@ -216,14 +223,15 @@ class RolloutConfig:
         finite("rollout", self)
         one_of("rollout.engine", self.engine, Engine, "engine")
         need(self.max_response_tokens is None or self.max_response_tokens >= 1,
-              "rollout.max_response_tokens", f"must be >= 1, got {self.max_response_tokens}")
+             "rollout.max_response_tokens", f"must be >= 1, got {self.max_response_tokens}")
         positive("rollout", max_prompt_tokens=self.max_prompt_tokens,
-                  temperature=self.temperature)
+                 temperature=self.temperature)
         need(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
+        need(0.0 < self.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         need(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
-              f"must be in (0, 1), got {self.gpu_memory_utilization}")
+             f"must be in (0, 1), got {self.gpu_memory_utilization}")
         need(self.vllm_kv_cache_mib is None or self.vllm_kv_cache_mib >= 1,
-              "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
+             "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,6 +252,16 @@ class TrainConfig:
     """Actor AdamW learning rate."""
     critic_lr: float = 1e-3
     """Critic AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Steps over which both learning rates rise linearly to their value: step k < warm-up
+    trains at lr x (k + 1) / lr_warmup_steps. 0 = no warm-up. (Not `critic_warmup_steps`,
+    which trains the critic alone first.)"""
+    lr_schedule: LrSchedule = "constant"
+    """After the warm-up: "constant", or a "linear" or "cosine" decay that reaches
+    min_lr_ratio x lr at the last step. A function of the step alone, so a resumed run
+    continues the same curve."""
+    min_lr_ratio: float = 0.0
+    """Where a decaying schedule ends, as a fraction of the learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -293,15 +311,18 @@ class TrainConfig:
         finite("train", self)
         need(0 <= self.seed < 2**32, "train.seed", f"must be in [0, 2**32), got {self.seed}")
         positive("train", steps=self.steps, prompts_per_step=self.prompts_per_step,
-                  mini_batch_size=self.mini_batch_size, ppo_epochs=self.ppo_epochs,
-                  micro_batch_tokens=self.micro_batch_tokens, actor_lr=self.actor_lr,
-                  critic_lr=self.critic_lr, grad_clip=self.grad_clip,
-                  val_every=self.val_every, val_prompts=self.val_prompts,
-                  call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s)
-        for name in ("weight_decay", "critic_warmup_steps", "checkpoint_every",
+                 mini_batch_size=self.mini_batch_size, ppo_epochs=self.ppo_epochs,
+                 micro_batch_tokens=self.micro_batch_tokens, actor_lr=self.actor_lr,
+                 critic_lr=self.critic_lr, grad_clip=self.grad_clip,
+                 val_every=self.val_every, val_prompts=self.val_prompts,
+                 call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s)
+        one_of("train.lr_schedule", self.lr_schedule, LrSchedule, "schedule")
+        need(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio",
+             f"must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("weight_decay", "critic_warmup_steps", "checkpoint_every", "lr_warmup_steps",
                      "samples_per_step"):
             need(getattr(self, name) >= 0, f"train.{name}",
-                  f"must be >= 0, got {getattr(self, name)}")
+                 f"must be >= 0, got {getattr(self, name)}")
         positive("train", keep_checkpoints=self.keep_checkpoints)
         need(bool(self.out_dir), "train.out_dir", "must be a directory path")
 
@@ -339,12 +360,12 @@ class PlacementConfig:
         one_of("placement.strategy", self.strategy, Strategy, "strategy")
         need(self.ray_address is None or (bool(self.ray_address.strip())
                                            and self.ray_address == self.ray_address.strip()),
-              "placement.ray_address", f"must be 'auto', 'local', 'host:port' or None, got "
-              f"{self.ray_address!r}")
+             "placement.ray_address", f"must be 'auto', 'local', 'host:port' or None, got "
+             f"{self.ray_address!r}")
         one_of("placement.backend", self.backend, Backend, "backend")
         one_of("placement.device", self.device, Device, "device")
         positive("placement", actor_dp=self.actor_dp, critic_dp=self.critic_dp,
-                  cpus_per_worker=self.cpus_per_worker)
+                 cpus_per_worker=self.cpus_per_worker)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
