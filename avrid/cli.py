@@ -2,11 +2,20 @@
 
     avrid ppo               train: PPO on CPU with the default preset (the README's main job)
     avrid ppo --algo grpo   the same with GRPO;  --preset NAME, --set section.field=value ...
+    avrid ppo --print-config  the config as YAML (`--print-config json`: as JSON), and
+    avrid ppo --config FILE   a run of the config in that file (.yaml, .yml or .json)
+    avrid ppo --help-config   every config field: its type, default and what it does
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
                             for its latest checkpoint, a checkpoints/ root or a step directory)
     avrid chapters          list the chapters and how to run each demo
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
     avrid demo all          run every chapter's demo in order
+    avrid --version         the installed version of avrid
+
+Where `avrid ppo`'s config comes from, each step overriding the one before (`PPO_SOURCES`):
+a preset (--preset, default tiny-ppo) or a config file (--config; a whole config, so not
+both), then the flags (--algo, --steps, --seed, --out, --backend, --address, --task,
+--resume), then each --set in order.
 
 It sits above every layer and holds no logic of its own: training is `avrid.ppo.driver.run.train`,
 exporting is `avrid.ppo.outputs.export.export_checkpoint`, each demo lives in its chapter package.
@@ -21,9 +30,12 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from avrid.workers.errors import PlacementError, WorkerError
+
+if TYPE_CHECKING:  # annotations only: the command imports avrid.ppo when it runs
+    from avrid.ppo.setup.config import PPOConfig
 
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError, PlacementError, WorkerError)
 """What `avrid ppo` reports in one line: bad config or input, files, placement, and a
@@ -38,6 +50,29 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch04_resharding", "resharding: FSDP shards to TP slices, minimum bytes, fingerprints"),
     ("ch05_ppo", "the PPO/GRPO loop: roles, RL math, rollouts, weight sync, checkpoints"),
 )
+
+
+PPO_SOURCES = """\
+where the config comes from, each step overriding the one before:
+  1. --preset NAME (default tiny-ppo), or --config FILE: a whole config (not both)
+  2. the flags --algo --steps --seed --out --backend --address --task --resume
+  3. --set section.field=value, in the order given
+
+  avrid ppo --print-config > run.yaml     the config (after all three) as YAML, or
+                                          --print-config json; edit it, then
+  avrid ppo --config run.yaml --steps 20  run it; a field the file leaves out takes its default
+  avrid ppo --help-config [SECTION]       every field: its type, default and what it does"""
+"""The end of `avrid ppo --help`: the order in which a config is assembled."""
+
+
+def _version() -> str:
+    """avrid's installed version, from the package metadata (pyproject.toml's version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("avrid")
+    except PackageNotFoundError:  # run from a checkout that was never `pip install`ed
+        return "unknown (not installed)"
 
 
 def _checkout_root() -> Path:
@@ -62,13 +97,16 @@ def _resolve(name: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run the command."""
     parser = argparse.ArgumentParser(prog="avrid", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"avrid {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("chapters", help="list the chapters")
     demo = sub.add_parser("demo", help="run a chapter's demo on CPU")
     demo.add_argument("chapter", help="e.g. ch01, ch01_workers, or all")
-    ppo = sub.add_parser("ppo", help="train with PPO or GRPO (default: tiny PPO on CPU)")
-    ppo.add_argument("--preset", default="tiny-ppo",
-                     help="tiny-ppo (default), tiny-grpo, small-cpu, qwen-gsm8k")
+    ppo = sub.add_parser("ppo", help="train with PPO or GRPO (default: tiny PPO on CPU)",
+                         epilog=PPO_SOURCES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ppo.add_argument("--preset", help="tiny-ppo (default), tiny-grpo, small-cpu, qwen-gsm8k")
+    ppo.add_argument("--config", metavar="FILE", help="a whole config from a .yaml/.yml/.json "
+                     "file (as --print-config writes it); instead of --preset")
     ppo.add_argument("--algo", choices=("ppo", "grpo"), help="override algo.name")
     ppo.add_argument("--steps", type=int, help="override train.steps")
     ppo.add_argument("--seed", type=int, help="override train.seed")
@@ -81,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     ppo.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="SECTION.FIELD=VALUE", help="any config field; repeatable")
-    ppo.add_argument("--print-config", action="store_true", help="print the config and exit")
+    ppo.add_argument("--print-config", nargs="?", const="yaml", choices=("yaml", "json"),
+                     help="print the config (YAML, or json) and exit; --config reads it back")
+    ppo.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
+                     help="list every config field (or SECTION's): type, default, meaning")
     export = sub.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     export.add_argument("source", help="a run directory (its latest checkpoint), a checkpoints/ "
                         "root or a step directory")
@@ -120,13 +161,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _ppo(args: argparse.Namespace) -> None:
-    """Build the config from preset + flags (validated once), then train."""
-    import json
-
-    from avrid.ppo.driver.run import config_dict, train
+    """Build the config from preset or file, flags, then --set (validated once); train."""
+    from avrid.ppo.driver.run import train
+    from avrid.ppo.setup.config_file import dump_config
+    from avrid.ppo.setup.field_help import help_config
     from avrid.ppo.setup.overrides import with_overrides
-    from avrid.ppo.setup.presets import preset
 
+    if args.help_config is not None:
+        try:
+            print(help_config(args.help_config or None), end="")
+        except ValueError as e:
+            _fail("avrid ppo", e, debug=args.debug)
+        return
     sets = []
     for flag, field in (("algo", "algo.name"), ("steps", "train.steps"),
                         ("seed", "train.seed"), ("out", "train.out_dir"),
@@ -134,9 +180,6 @@ def _ppo(args: argparse.Namespace) -> None:
                         ("address", "placement.ray_address")):
         if getattr(args, flag) is not None:
             sets.append(f"{field}={getattr(args, flag)}")
-    name = args.preset
-    if args.algo == "grpo" and name == "tiny-ppo":
-        name = "tiny-grpo"  # the default run's GRPO twin (bigger groups, its own out_dir)
     if args.task is not None:
         sets.append("task.options=")  # the preset's options belong to the preset's task
     if args.resume:
@@ -148,12 +191,12 @@ def _ppo(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.getcwd())
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-    try:
-        config = with_overrides(preset(name), sets + args.overrides)
-    except (ValueError, TypeError) as e:
+    try:  # a --set comes after the flags' assignments, so it wins over them
+        config = with_overrides(_first_config(args), sets + args.overrides)
+    except (ValueError, TypeError, OSError) as e:  # OSError: a --config file not readable
         _fail("avrid ppo", e, debug=args.debug)
-    if args.print_config:
-        print(json.dumps(config_dict(config), indent=2))
+    if args.print_config is not None:
+        print(dump_config(config, args.print_config), end="")
         return
     try:
         summary = train(config, log=print)
@@ -170,6 +213,23 @@ def _ppo(args: argparse.Namespace) -> None:
           f"{summary.out_dir}/export/)")
 
 
+def _first_config(args: argparse.Namespace) -> PPOConfig:
+    """Where a config starts: the --config file, or the preset (default tiny-ppo)."""
+    from avrid.ppo.setup.config_file import read_config
+    from avrid.ppo.setup.presets import preset
+
+    if args.config is not None:
+        if args.preset is not None:
+            raise ValueError(f"--preset {args.preset} and --config {args.config} both give a "
+                             f"whole config; use one (a file leaves nothing to a preset: "
+                             f"write one from a preset with --preset NAME --print-config)")
+        return read_config(args.config)
+    name = args.preset or "tiny-ppo"
+    if args.algo == "grpo" and name == "tiny-ppo":
+        name = "tiny-grpo"  # the default run's GRPO twin (bigger groups, its own out_dir)
+    return preset(name)
+
+
 def _after_interrupt(out_dir: str) -> str:
     """What an interrupted run can do next: resume from its last checkpoint, if it has one."""
     from avrid.ppo.outputs.checkpoint import latest_checkpoint
@@ -182,7 +242,7 @@ def _after_interrupt(out_dir: str) -> str:
         return (f"no checkpoint was written yet, so there is nothing to resume; start again "
                 f"with another (or an emptied) --out than {out_dir}")
     return (f"the last checkpoint is {latest}; continue with `avrid ppo --resume --out "
-            f"{out_dir}` and the same preset and --set options")
+            f"{out_dir}` and the same preset (or --config) and --set options")
 
 
 def _fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:

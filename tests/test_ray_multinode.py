@@ -127,7 +127,7 @@ def test_the_address_and_strategy_are_config_fields_checked_at_start(
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # `avrid ppo` adds the working dir
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    cli.main(["ppo", "--address", "auto", "--print-config"])
+    cli.main(["ppo", "--address", "auto", "--print-config", "json"])
     assert json.loads(capsys.readouterr().out)["placement"]["ray_address"] == "auto"
 
     base = PPOConfig()

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import tempfile
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from avrid.ppo.engines.models import tiny_config, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # as checkpoints
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.config_file import config_from_dict
 from avrid.ppo.setup.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -143,7 +143,7 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
     Args:
         dest: the export directory; must not exist or be empty unless `overwrite`.
         weights: parameter name -> tensor, as `Trainer.state` gathers them.
-        config: the run's config as `run.config_dict` makes it (state.json's "config").
+        config: the run's config as `config_file.config_to_dict` makes it (state.json's "config").
         tokenizer: a `tokenizer_record`.
         overwrite: replace a non-empty `dest` (the old one is removed only once the new one
             is in place).
@@ -285,10 +285,9 @@ def _rebuilt_tokenizer_record(config: Mapping[str, Mapping[str, Any]]) -> dict[s
 
 
 def _ppo_config(config: Mapping[str, Mapping[str, Any]]) -> PPOConfig:
-    """A `PPOConfig` back from `run.config_dict` output."""
-    hints = typing.get_type_hints(PPOConfig)
+    """A `PPOConfig` back from the checkpoint's config (`config_file.config_to_dict` output)."""
     try:
-        return PPOConfig(**{name: hints[name](**values) for name, values in config.items()})
-    except (KeyError, TypeError) as e:
+        return config_from_dict(config)
+    except (ValueError, TypeError) as e:
         raise ValueError(f"the checkpoint's config does not match this version of avrid "
                          f"({e}); export it with the version that trained it") from e
