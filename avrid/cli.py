@@ -26,6 +26,7 @@ installed from (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -160,8 +161,23 @@ def main(argv: list[str] | None = None) -> None:
                 raise
 
 
+PPO_NEEDS = {"torch": "torch", "ray": "ray", "transformers": "transformers",
+             "safetensors": "safetensors", "tqdm": "tqdm", "matplotlib": "matplotlib",
+             "yaml": "pyyaml"}
+"""What `avrid ppo` and `avrid export` import (import name: the name pip installs)."""
+
+
+def _need_ppo_extra(command: str) -> None:
+    """`pip install avrid` alone has no torch, Ray or models: name what to add, in one line."""
+    missing = [dist for mod, dist in PPO_NEEDS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        print(f"{command} needs {', '.join(missing)}: pip install 'avrid[ppo]'", file=sys.stderr)
+        sys.exit(2)
+
+
 def _ppo(args: argparse.Namespace) -> None:
     """Build the config from preset or file, flags, then --set (validated once); train."""
+    _need_ppo_extra("avrid ppo")
     from avrid.ppo.driver.run import train
     from avrid.ppo.setup.config_file import dump_config
     from avrid.ppo.setup.field_help import help_config
@@ -261,6 +277,7 @@ def _fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:
 
 def _export(args: argparse.Namespace) -> None:
     """Export a checkpoint; bad input is one line naming what is wrong, exit status 2."""
+    _need_ppo_extra("avrid export")
     from avrid.ppo.outputs.export import export_checkpoint
 
     try:
