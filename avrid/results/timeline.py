@@ -6,12 +6,18 @@ it come three views of the same facts:
 
 - `to_chrome_trace(path)`: Chrome trace-event JSON (``traceEvents``) that ui.perfetto.dev and
   chrome://tracing open, one process per role, one thread per worker;
-- `gantt(path)`: a matplotlib Gantt chart, one row per worker, spans coloured by name;
+- `gantt(path)`: a matplotlib Gantt chart, one row per worker, spans coloured by name
+  (`avrid.results.colors`: one name, one colour, in every picture);
 - `utilization()` / `describe()`: each lane's busy and idle seconds and busy share.
 
 The busy share is measured against the *whole* timeline window (first start to last end over
 every lane), not the lane's own span: a worker that finishes early and waits for the slowest
 shard shows that wait as idle time. That idle time is the pipeline bubble this chapter is about.
+
+The driver is different: its spans cover almost the whole step, yet most of that time it sits
+in `run_shards`'s ``wait`` span. "Busy 100 %" would hide that, so the chart and the table split
+the driver's time into *own work* (plan, send, merge, advantages, ...: every span but the
+waits) and *waiting on workers* (`WAIT_SPANS`).
 
 This file does not record spans (workers do, through `ResultBuilder`), does not import Ray, and
 imports matplotlib only when a chart is asked for (it is a dev/notebook dependency). Span times
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from avrid.results.colors import legend_order, span_color
 from avrid.results.result import Span, WorkerResult
 
 if TYPE_CHECKING:
@@ -35,6 +42,11 @@ if TYPE_CHECKING:
 
 DRIVER = "driver"
 """Label and group of the driver's lane."""
+
+WAIT_SPANS = frozenset({"wait"})
+"""Span names that mean "waiting on others", not own work: `run_shards`'s ``wait`` (from
+sending the shards until every rank answered). A driver call made without `run_shards` (a
+plain `WorkerGroup.call`) records no such span, so its wait counts as the driver's own work."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,14 +77,12 @@ class Lane:
     @property
     def busy_seconds(self) -> float:
         """Seconds covered by at least one span (nested or overlapping spans count once)."""
-        total, cur_start, cur_end = 0.0, 0.0, None
-        for s in self.spans:  # sorted by start: sweep and merge overlapping intervals
-            if cur_end is None or s.start > cur_end:
-                total += 0.0 if cur_end is None else cur_end - cur_start
-                cur_start, cur_end = s.start, s.end
-            else:
-                cur_end = max(cur_end, s.end)
-        return total + (0.0 if cur_end is None else cur_end - cur_start)
+        return _covered(self.spans)
+
+    @property
+    def waiting_seconds(self) -> float:
+        """Seconds covered by `WAIT_SPANS` spans (part of `busy_seconds`)."""
+        return _covered(s for s in self.spans if s.name in WAIT_SPANS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,11 +96,28 @@ class Utilization:
     """Seconds of the window not covered: waiting for others, the bubble."""
     window: float
     """Length of the shared timeline window in seconds."""
+    waiting: float = 0.0
+    """Seconds of `busy` in `WAIT_SPANS` spans (the driver waiting for workers); 0 for a worker."""
 
     @property
     def share(self) -> float:
         """Busy fraction of the window, in [0, 1] (0 for a zero-length window)."""
         return self.busy / self.window if self.window > 0 else 0.0
+
+    @property
+    def own(self) -> float:
+        """Seconds of own work: busy, but not waiting."""
+        return max(self.busy - self.waiting, 0.0)
+
+    @property
+    def own_share(self) -> float:
+        """Own-work fraction of the window (the driver's honest "busy")."""
+        return self.own / self.window if self.window > 0 else 0.0
+
+    @property
+    def wait_share(self) -> float:
+        """Waiting fraction of the window."""
+        return self.waiting / self.window if self.window > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,7 +202,8 @@ class Timeline:
         for lane in self.lanes:
             busy = lane.busy_seconds
             out[lane.label] = Utilization(label=lane.label, busy=busy,
-                                          idle=max(window - busy, 0.0), window=window)
+                                          idle=max(window - busy, 0.0), window=window,
+                                          waiting=lane.waiting_seconds)
         return out
 
     def chrome_trace(self) -> dict[str, Any]:
@@ -208,15 +236,18 @@ class Timeline:
 
     def gantt_figure(self, *, title: str | None = None) -> Figure:
         """A Gantt chart as a matplotlib `Figure` (no pyplot: the global backend is untouched,
-        and a notebook shows the returned figure inline)."""
+        and a notebook shows the returned figure inline). Each span is coloured by its name
+        (`span_color`: the same colour as in every other chart); a worker's row label gives
+        its busy share, the driver's its own work and waiting shares."""
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
 
         origin, util = self.start, self.utilization()
         window = self.end - origin
-        names = sorted({s.name for s in self.spans})
-        color = dict(zip(names, palette(len(names)), strict=True))
-        fig = Figure(figsize=(10, 1.2 + 0.5 * len(self.lanes)), layout="constrained")
+        names = legend_order(s.name for s in self.spans)
+        color = {n: span_color(n) for n in names}
+        height = 1.2 + 0.5 * len(self.lanes)
+        fig = Figure(figsize=(10, height), layout="constrained")
         ax = fig.add_subplot()
         for row, lane in enumerate(self.lanes):
             # Grey underlay = the whole window, so idle gaps (bubbles) read as grey.
@@ -227,8 +258,7 @@ class Timeline:
                         height=0.8 * 0.7 ** depth, color=color[span.name],
                         edgecolor="white", linewidth=0.5)
         ax.set_yticks(range(len(self.lanes)),
-                      [f"{lane.label}  busy {util[lane.label].share:.0%}"
-                       for lane in self.lanes])
+                      [_row_label(lane, util[lane.label]) for lane in self.lanes])
         ax.invert_yaxis()  # driver on top, like the trace viewer
         ax.set_xlim(0.0, window if window > 0 else 1.0)
         ax.set_xlabel("seconds from timeline start")
@@ -236,8 +266,10 @@ class Timeline:
         ax.set_axisbelow(True)
         if title:
             ax.set_title(title)
+        per_column = max(1, int((height - 0.6) / 0.25))  # legend entries that fit in height
         fig.legend(handles=[Patch(color=color[n], label=n) for n in names],
-                   loc="outside right upper", title="span", frameon=False)
+                   loc="outside right upper", title="span", frameon=False,
+                   ncols=-(-len(names) // per_column))
         return fig
 
     def gantt(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
@@ -249,18 +281,46 @@ class Timeline:
         return atomic_write(out, lambda f: fig.savefig(f, format=fmt, dpi=120))
 
     def describe(self) -> str:
-        """A text table: lane, busy seconds, idle seconds, busy share."""
+        """Text tables: for the driver, its own work, waiting and idle seconds and the shares
+        of the first two; for every worker, busy and idle seconds and busy share.
+
+        Example (the driver worked 1 s of a 4 s window and waited 3 s for one worker):
+            >>> tl = Timeline(lanes=(
+            ...     Lane(label=DRIVER, group=DRIVER, spans=(Span(name="send", start=0, end=1),
+            ...                                             Span(name="wait", start=1, end=4))),
+            ...     Lane(label="actor[0]", group="actor", spans=(
+            ...         Span(name="forward", start=1, end=3),))))
+            >>> print(tl.describe())
+            timeline: 2 lanes, 3 spans, window 4.000 s
+            lane      own work s  waiting s     idle s  own work %  waiting %
+            driver         1.000      3.000      0.000       25.0%      75.0%
+            lane          busy s     idle s     busy %
+            actor[0]       2.000      2.000      50.0%
+        """
         util = self.utilization()
-        width = max(len("lane"), *(len(lane.label) for lane in self.lanes))
+        w = max(len("lane"), *(len(lane.label) for lane in self.lanes))
         window = self.end - self.start
         lines = [f"timeline: {len(self.lanes)} lanes, {len(self.spans)} spans, "
-                 f"window {window:.3f} s",
-                 f"{'lane':<{width}}  {'busy s':>9}  {'idle s':>9}  {'busy %':>6}"]
-        for lane in self.lanes:
-            u = util[lane.label]
-            lines.append(f"{lane.label:<{width}}  {u.busy:>9.3f}  {u.idle:>9.3f}  "
-                         f"{u.share:>6.1%}")
+                 f"window {window:.3f} s"]
+        drivers = [util[lane.label] for lane in self.lanes if lane.group == DRIVER]
+        workers = [util[lane.label] for lane in self.lanes if lane.group != DRIVER]
+        if drivers:  # idle: between the driver's spans (work it did not record)
+            lines.append(f"{'lane':<{w}}  {'own work s':>10}  {'waiting s':>9}  {'idle s':>9}"
+                         f"  {'own work %':>10}  {'waiting %':>9}")
+            lines += [f"{u.label:<{w}}  {u.own:>10.3f}  {u.waiting:>9.3f}  {u.idle:>9.3f}  "
+                      f"{u.own_share:>10.1%}  {u.wait_share:>9.1%}" for u in drivers]
+        if workers:
+            lines.append(f"{'lane':<{w}}  {'busy s':>10}  {'idle s':>9}  {'busy %':>9}")
+            lines += [f"{u.label:<{w}}  {u.busy:>10.3f}  {u.idle:>9.3f}  {u.share:>9.1%}"
+                      for u in workers]
         return "\n".join(lines)
+
+
+def _row_label(lane: Lane, u: Utilization) -> str:
+    """``actor[1]  busy 30%``; ``driver  own work 18%, waiting 75%``."""
+    if lane.group == DRIVER:
+        return f"{lane.label}  own work {u.own_share:.0%}, waiting {u.wait_share:.0%}"
+    return f"{lane.label}  busy {u.share:.0%}"
 
 
 def _lane_order(lane: Lane) -> tuple[bool, str, int, str]:
@@ -276,6 +336,18 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
+def _covered(spans: Iterable[Span]) -> float:
+    """Seconds covered by at least one of `spans` (sorted by start): overlaps count once."""
+    total, cur_start, cur_end = 0.0, 0.0, None
+    for s in spans:  # sorted by start: sweep and merge overlapping intervals
+        if cur_end is None or s.start > cur_end:
+            total += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = s.start, s.end
+        else:
+            cur_end = max(cur_end, s.end)
+    return total + (0.0 if cur_end is None else cur_end - cur_start)
+
+
 def _depths(spans: Iterable[Span]) -> list[int]:
     """Drawing depth of each span among spans sorted by start: how many earlier spans are
     still open when it starts (nested or merely overlapping, either would hide it)."""
@@ -289,7 +361,9 @@ def _depths(spans: Iterable[Span]) -> list[int]:
 
 
 def palette(n: int) -> list[Any]:
-    """`n` distinguishable matplotlib colours (tab10, or tab20 beyond ten)."""
+    """`n` distinguishable matplotlib colours (tab10, or tab20 beyond ten), by position: for
+    series that have no fixed meaning, such as ranks. Span and phase names take their colour
+    from `span_color` instead, so a phase keeps its colour from one chart to the next."""
     from matplotlib import colormaps
 
     # tab10 is the most distinguishable; tab20 beyond ten names (colours then repeat).

@@ -31,7 +31,15 @@ import numpy as np
 import torch
 
 from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, make_plan
-from avrid.results import RESULT_VERSION, Merged, Timeline, WorkerResult, merge, run_shards
+from avrid.results import (
+    RESULT_VERSION,
+    Merged,
+    Timeline,
+    WorkerResult,
+    atomic_write,
+    merge,
+    run_shards,
+)
 from avrid.workers import (
     Mesh,
     PlacementPlan,
@@ -231,7 +239,8 @@ def run_timed(group: WorkerGroup, batch: Batch, method: str) -> tuple[Merged, Ti
 
 def save_gantt_pair(timelines: dict[str, Timeline], titles: dict[str, str],
                     path: Path) -> Path:
-    """Both Gantt charts, one above the other on one time scale, in one PNG."""
+    """Both Gantt charts, one above the other on one time scale, in one PNG (written
+    atomically). Their colours match: each span name has one colour in every chart."""
     import io
 
     import matplotlib.image as mpimg
@@ -248,9 +257,8 @@ def save_gantt_pair(timelines: dict[str, Timeline], titles: dict[str, str],
     width = max(im.shape[1] for im in images)
     padded = [np.pad(im, ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=1.0)
               for im in images]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mpimg.imsave(path, np.concatenate(padded, axis=0))
-    return path
+    both = np.concatenate(padded, axis=0)
+    return atomic_write(path, lambda f: mpimg.imsave(f, both, format="png"))
 
 
 def timelines(group: WorkerGroup) -> bool:

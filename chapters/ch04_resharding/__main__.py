@@ -6,21 +6,27 @@ top to bottom:
 
 1. the model and its two layouts: FSDP dim-0 shards over 4 ranks, vLLM's TP layout over 2;
 2. the plan (pure, no Ray): bytes moved = the lower bound, next to local copies and the
-   all-gather baseline, a source x target byte matrix and the first transfers;
+   all-gather baseline, a source x target byte matrix and the first transfers; a picture of
+   it, ``outputs/ch04/transfer.png`` (who sends which slice of o_proj to whom, and bytes per
+   rank pair next to the all-gather's), made by ``figure.py``;
 3. Ray, 4 processes over gloo, colocated (TP rank t shares process t with FSDP rank t): the
    planned transfer and the all-gather baseline, both landing the same bits in each
    process's torch engine; the fingerprints of both sides agree;
 4. the same sync with one element of one engine tensor corrupted on purpose: the fingerprint
    check raises `StaleWeightsError`, naming the tensor;
-5. disaggregated: 2 training processes, 2 rollout processes, nothing local.
+5. disaggregated: 2 training processes, 2 rollout processes, nothing local (its picture:
+   ``outputs/ch04/transfer_disaggregated.png``).
 
 It exits 0 when every check passes and 1 otherwise. It uses `avrid.workers` and
-`avrid.reshard` and the example worker in ``workers.py``; it defines no library code.
+`avrid.reshard`, `avrid.results`' file writer, the example worker in ``workers.py`` and the
+drawing in ``figure.py``; it defines no library code.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
+from pathlib import Path
 
 from avrid.reshard import (
     ModelLayout,
@@ -33,6 +39,7 @@ from avrid.reshard import (
     plan_transfer,
 )
 from avrid.workers import Mesh, ResourcePool, RoleSpec, WorkerGroup, plan_placement
+from chapters.ch04_resharding.figure import default_param, save_transfer_figure
 from chapters.ch04_resharding.workers import (
     SyncReport,
     SyncWorker,
@@ -44,6 +51,9 @@ SEED = 0  # every process makes the same "trained" weights from it
 FSDP, TP = 4, 2
 BUCKET = 256 * 1024  # bytes per bucket: the most temporary buffer memory a sync adds
 STALE = "model.layers.0.mlp.up_proj.weight"
+KEEP = ("layers.0.", "embed", "lm_head")  # the layout rows shown: the other layers repeat
+# outputs/ is git-ignored; anchored at the checkout so `avrid demo ch04` works from anywhere.
+OUT_DIR = Path(__file__).resolve().parents[2] / "outputs" / "ch04"
 
 
 def check(label: str, ok: bool) -> bool:
@@ -52,13 +62,34 @@ def check(label: str, ok: bool) -> bool:
     return ok
 
 
-def brief(text: str, keep: tuple[str, ...] = ("layers.0.", "embed", "lm_head")) -> str:
-    """A layout table cut to the embeddings, the head and layer 0 (the rest repeat)."""
-    lines = text.splitlines()
-    body = [ln for ln in lines[2:-1] if any(k in ln.split(" ")[0] for k in keep)]
-    skipped = len(lines) - 3 - len(body)
-    return "\n".join(["  " + ln for ln in lines[:2] + body]
-                     + [f"  ... {skipped} more params (layers 1+, final norm)", "  " + lines[-1]])
+def shown(path: Path) -> Path:
+    """`path` relative to the working directory when it lies below it."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
+def table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
+    """Columns as wide as their widest cell, for every row; `right` = right-aligned columns."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                                      for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     .rstrip() for r in [header, *rows])
+
+
+def layout_table(layout: ModelLayout) -> str:
+    """A layout, cut to the embeddings, the head and layer 0 (the rest repeat); one column
+    per rank, ``-`` where a rank holds nothing."""
+    w = layout.world_size
+    rows = [[n, str(p.shape), p.dtype, p.kind, *("-" if r is None else str(r)
+                                                for r in p.regions)]
+            for n, p in layout.params if any(k in n for k in KEEP)]
+    total = sum(p.nbytes for _, p in layout.params)
+    head = ["param", "shape", "dtype", "kind", *(f"rank {r}" for r in range(w))]
+    return "\n".join([f"  {len(layout.params)} params over {w} ranks, {total:,} bytes",
+                      table(head, rows),
+                      f"  ... {len(layout.params) - len(rows)} more params (layers 1+, "
+                      f"final norm)",
+                      "  bytes per rank: " + ", ".join(f"{layout.bytes_on(r):,}"
+                                                       for r in range(w))])
 
 
 def mib(n: int) -> str:
@@ -104,12 +135,23 @@ def compare(reports: list[SyncReport], expected: dict[str, int]) -> bool:
 
 
 def show_reports(reports: list[SyncReport]) -> None:
-    print(f"  {'process':<8} {'fsdp rank':>9} {'tp rank':>7} {'engine holds':>13} "
-          f"{'planned':>9} {'all-gather':>10}")
-    for r in reports:
-        naive = "-" if r.naive_seconds is None else f"{r.naive_seconds * 1e3:.0f} ms"
-        print(f"  {r.process:<8} {str(r.source_rank):>9} {str(r.target_rank):>7} "
-              f"{mib(r.engine_bytes):>13} {r.seconds * 1e3:>6.0f} ms {naive:>10}")
+    """One row per process; ``-`` where it holds no rank of a role or ran no baseline."""
+    def cell(x: object) -> str:
+        return "-" if x is None else str(x)
+
+    rows = [[str(r.process), cell(r.source_rank), cell(r.target_rank), mib(r.engine_bytes),
+             f"{r.seconds * 1e3:.0f} ms",
+             "-" if r.naive_seconds is None else f"{r.naive_seconds * 1e3:.0f} ms"]
+            for r in reports]
+    print(table(["process", "fsdp rank", "tp rank", "engine holds", "planned", "all-gather"],
+                rows, right={1, 2, 3, 4, 5}))
+
+
+def draw(plan: TransferPlan, name: str) -> None:
+    """Save the plan's picture under OUT_DIR and say where."""
+    path = save_transfer_figure(plan, OUT_DIR / name)
+    print(f"  picture: {shown(path)} (who sends which slice of {default_param(plan)}, "
+          f"bytes per rank pair)")
 
 
 def colocated(group: WorkerGroup, plan: TransferPlan, expected: dict[str, int]) -> bool:
@@ -144,13 +186,15 @@ def main() -> int:
     expected = dict(fingerprint(full_weights(shapes, SEED)).checksums)
     source, target = ModelLayout.fsdp(shapes, FSDP), decoder_tp_layout(shapes, TP)
     print(f"== 1. a {len(shapes)}-tensor decoder, trained FSDP over {FSDP}, served tp={TP} ==")
-    print(brief(source.describe()))
-    print()
-    print(brief(target.describe()))
+    print(f"  trainer, FSDP over {FSDP}:")
+    print(layout_table(source))
+    print(f"\n  rollout engine, tp={TP} (vLLM's layout):")
+    print(layout_table(target))
 
     print("\n== 2. the plan, colocated: tp rank t lives in fsdp rank t's process ==")
     plan = plan_transfer(source, target, same_process={0: 0, 1: 1}, bucket_bytes=BUCKET)
     show_plan(plan)
+    draw(plan, "transfer.png")
     ok = check("bytes moved equal the lower bound", plan.bytes_moved == plan.lower_bound)
     ok &= check("the plan moves less than the all-gather baseline",
                 plan.bytes_moved < plan.bytes_naive)
@@ -174,6 +218,7 @@ def main() -> int:
             print("\n== 5. disaggregated: fsdp=2 trainers, tp=2 rollout processes ==")
             split = plan_transfer(ModelLayout.fsdp(shapes, 2), target, bucket_bytes=BUCKET)
             show_plan(split)
+            draw(split, "transfer_disaggregated.png")
             ok &= check("bytes moved equal the lower bound, nothing local",
                         split.bytes_moved == split.lower_bound and split.bytes_local == 0)
             reports = group.call(SyncWorker.sync, split, SEED)

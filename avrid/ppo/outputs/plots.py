@@ -14,6 +14,11 @@ global backend is never touched and a notebook shows them inline; saving them to
 with Agg. `write_plots` writes them (and, given one, the step's `Timeline` as a Gantt chart and
 a Perfetto trace) atomically, reusing chapter 3's writer.
 
+A phase has one colour in every picture: chapter 3's `span_color` by name, so ``generate`` is
+the same blue in ``phases.png`` and ``timeline.png``, in a PPO run and in a GRPO run (which has
+no ``ref_logp``, ``values`` or ``critic_update`` and would shift a palette handed out by
+position).
+
 This file only draws what was logged; it computes no metrics and does not import Ray.
 """
 
@@ -25,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from avrid.results.timeline import Timeline, atomic_write, palette
+from avrid.results.colors import span_color
+from avrid.results.timeline import Timeline, atomic_write
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -98,7 +104,7 @@ def phase_figure(rows: Rows, *, title: str | None = None) -> Figure:
     steps = [r["step"] for r in rows]
     totals = {p: sum(_num(r.get(f"time/{p}")) for r in rows) for p in names}
     step_total = sum(_num(r.get("time/step")) for r in rows) or sum(totals.values())
-    colors = dict(zip(names, palette(len(names)), strict=True))
+    colors = {p: span_color(p) for p in names}  # by name, never by position
     bottom = [0.0] * len(rows)
     # Bars touching (width 1) read as an area over many steps and as bars over a few.
     for p in names:
@@ -123,16 +129,24 @@ def phase_figure(rows: Rows, *, title: str | None = None) -> Figure:
 
 
 def write_plots(rows: Rows, out_dir: str | os.PathLike[str], *,
-                timeline: Timeline | None = None) -> list[Path]:
+                timeline: Timeline | None = None, timeline_step: int | None = None
+                ) -> list[Path]:
     """Write ``reward.png`` and ``phases.png`` into `out_dir`, and with a `timeline` also
     ``timeline.png`` (Gantt chart) and ``timeline.json`` (open in ui.perfetto.dev); each file
-    atomically. Returns the paths written, in that order."""
+    atomically. Returns the paths written, in that order.
+
+    The Gantt chart's title names the step it shows: `timeline_step`, or by default the last
+    step in `rows` that trained (has ``time/step``) — the trainer keeps the last step's
+    timeline."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [_save(reward_figure(rows), out / "reward.png"),
              _save(phase_figure(rows), out / "phases.png")]
     if timeline is not None:
-        paths += [timeline.gantt(out / "timeline.png"),
+        step = timeline_step if timeline_step is not None else max(
+            (r["step"] for r in rows if "time/step" in r), default=None)
+        title = "timeline of the last step" if step is None else f"timeline of step {step}"
+        paths += [timeline.gantt(out / "timeline.png", title=title),
                   timeline.to_chrome_trace(out / "timeline.json")]
     return paths
 
