@@ -62,8 +62,9 @@ $(BIN)/.notebook: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev,notebook]"
 	touch $@
 
+NOTEBOOK_ARGS ?=
 notebook: $(BIN)/.notebook  ## open the chapter notebooks in JupyterLab (browser)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(NOTEBOOK_ARGS)
 
 lint: setup  ## style and the layer import contract
 	$(BIN)/ruff check avrid chapters tests benchmarks

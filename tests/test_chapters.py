@@ -47,16 +47,52 @@ def test_notebook_cells_fit_on_video(path: Path) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path: Path) -> None:
+
+    nb = execute(path)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
+    # What a reader sees: no warnings or other stderr text in any cell's output.
+    stderr = ["".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code"
+              for o in c.get("outputs", []) if o.get("name") == "stderr"]
+    assert not stderr, stderr
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_with_its_outputs_and_figures(path: Path) -> None:
+    # On the web (GitHub, nbviewer) a notebook shows only what was saved in it: every code
+    # cell that prints or draws must carry its output, figures included. Refresh them with
+    # `python -m tests.test_chapters` after changing a notebook or what it calls.
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert all(c.get("execution_count") for c in cells), f"{path.name}: cells never executed"
+    images = [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, f"{path.name}: no figure saved in the notebook"
+
+
+def execute(path: Path):  # noqa: ANN201 - nbformat.NotebookNode
+    """Run every cell of the notebook at `path` from the repository root, in a fresh kernel;
+    returns the notebook with its outputs (the file itself is not changed)."""
     import nbclient
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
+                                     record_timing=False,  # no timestamps: stable diffs
                                      resources={"metadata": {"path": str(ROOT)}})
     client.execute()  # raises CellExecutionError naming the failing cell
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
-    assert not errors
+    return nb
+
+
+def write_outputs() -> None:
+    """Execute every notebook and save it with its outputs (atomically: write, then rename)."""
+    import nbformat
+
+    for path in NOTEBOOKS:
+        nb = execute(path)
+        part = path.with_suffix(".ipynb.tmp")
+        nbformat.write(nb, part)
+        part.replace(path)
+        print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
 
 
 def test_there_is_one_notebook_per_chapter() -> None:
@@ -65,3 +101,7 @@ def test_there_is_one_notebook_per_chapter() -> None:
     numbers = {p.stem[:2] for p in NOTEBOOKS}
     assert chapters, "no chapters found"
     assert {c[2:4] for c in chapters} <= numbers, (chapters, NOTEBOOKS)
+
+
+if __name__ == "__main__":
+    write_outputs()

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from avrid.cli import main
-from avrid.ppo.driver.run import config_dict, train
+from avrid.ppo.driver.run import train
 from avrid.ppo.engines.models import (
     ATTN_IMPLEMENTATION,
     TinyModelSpec,
@@ -28,6 +28,7 @@ from avrid.ppo.outputs import export as export_module
 from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
 from avrid.ppo.outputs.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.config_file import config_to_dict
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.tokenizer import CharTokenizer
@@ -54,7 +55,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hand_checkpoint(root: Path, config: PPOConfig, policy: torch.nn.Module) -> Path:
     """A checkpoint as `run.save` writes it, without training and without the tokenizer
     record (as from before export existed: the export rebuilds the tokenizer from the config)."""
-    state = {"step": 7, "config": config_dict(config)}
+    state = {"step": 7, "config": config_to_dict(config)}
     weights = dict(policy.named_parameters())  # what fsdp.full_state_dict gathers
     return save_checkpoint(root, 7, weights={"actor": weights}, optimizers={}, state=state)
 

@@ -120,8 +120,9 @@ def test_the_address_and_strategy_are_config_fields_checked_at_start(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from avrid import cli
     from avrid.ppo.driver.placement import build_placement
-    from avrid.ppo.driver.run import _check_resumable, config_dict
+    from avrid.ppo.driver.run import _check_resumable
     from avrid.ppo.setup.config import PPOConfig
+    from avrid.ppo.setup.config_file import config_to_dict
     from avrid.ppo.setup.overrides import with_overrides
     from avrid.ppo.setup.tokenizer import load_tokenizer
 
@@ -149,7 +150,7 @@ def test_the_address_and_strategy_are_config_fields_checked_at_start(
     # Where a run runs is not what it computes: a resumed run may move onto a cluster.
     moved = with_overrides(base, ["placement.ray_address=10.0.0.5:6379",
                                   "placement.strategy=SPREAD"])
-    _check_resumable(config_dict(base), config_dict(moved))
+    _check_resumable(config_to_dict(base), config_to_dict(moved))
 
 
 @pytest.mark.slow

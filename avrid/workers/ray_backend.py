@@ -20,9 +20,11 @@ Not here: how data is split (chapter 2) or how results are merged (chapter 3).
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -70,6 +72,9 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
     """
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written to ~/.ray
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # The workers' output still reaches the driver (log_to_driver), as "(PolicyWorker pid=..)
+    # text", but without the colour codes Ray wraps the prefix in (read as each line prints).
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         return
     source = "" if address is not None else " (from RAY_ADDRESS)"
@@ -79,6 +84,7 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
         ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1),
                  num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
                  configure_logging=False)
+        _no_colour_reset_at_exit()
         return
     if address is not None and (num_cpus is not None or num_gpus is not None):
         raise ValueError(f"start_ray: num_cpus/num_gpus size a new local Ray, but "
@@ -86,6 +92,17 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
                          f"own resources; drop them or use address='local'")
     ray.init(address=_reachable(target, source, connect_timeout_s), log_to_driver=True,
              configure_logging=False)
+    _no_colour_reset_at_exit()
+
+
+def _no_colour_reset_at_exit() -> None:
+    """Undo a side effect of `ray.init`: it imports Ray's CLI logger, which calls
+    ``colorama.init()``, which registers an exit hook that writes the escape code ESC[0m
+    ("reset colours") to a terminal as the program ends. Nothing here colours the terminal,
+    so nothing needs resetting, and that stray code would end every run's output."""
+    colorama = sys.modules.get("colorama.initialise")
+    if colorama is not None:
+        atexit.unregister(colorama.reset_all)
 
 
 def _reachable(target: str, source: str, timeout_s: float) -> str:

@@ -9,12 +9,19 @@ exports the final policy in Hugging Face format (`export.py`).
 Output directory (``train.out_dir``)::
 
     metrics.jsonl        one line per step; step 0 is the untrained validation
-    samples.jsonl        prompt, response, reward of a few rollouts per step
+    samples.jsonl        prompt, response, reward of a few rollouts per step, spread over
+                         the step's prompts (`spread_rows`)
     checkpoints/         step_000050/ {actor,critic}.safetensors, *.optim.pt, state.json
     reward.png phases.png timeline.png timeline.json
     export/              the final policy: config.json, model.safetensors, generation_config.json
                          and the tokenizer (see export.py); loads with from_pretrained, serves
                          with vLLM
+    tensorboard/         with train.tensorboard=true
+    wandb/ wandb_id.txt  with train.wandb_project: W&B's local files, and the id of the W&B run
+                         that a resumed run continues
+
+On screen: one line while Ray and the workers start, the untrained validation, then a progress
+bar whose clock starts with the first step (`avrid.ppo.outputs.progress`).
 
 Nothing a run wrote is lost by starting another one:
 
@@ -38,10 +45,11 @@ nothing. A damaged latest checkpoint is refused naming the newest intact one;
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +65,24 @@ from avrid.ppo.outputs.checkpoint import (
     save_checkpoint,
 )
 from avrid.ppo.outputs.export import export_checkpoint, tokenizer_record
-from avrid.ppo.outputs.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
+from avrid.ppo.outputs.metrics import (
+    MetricsLogger,
+    SampleDump,
+    format_step,
+    read_metrics,
+    require_backends,
+)
 from avrid.ppo.outputs.outdir import OutDirError, OutDirLock, preflight, remove_stale_temp_dirs
 from avrid.ppo.outputs.plots import write_plots
+from avrid.ppo.outputs.progress import Progress
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.config_file import config_to_dict
 from avrid.ppo.setup.tokenizer import response_text
 
 SCHEDULE_FIELDS = ("steps", "resume", "resume_from", "progress", "val_every",
                    "checkpoint_every", "keep_checkpoints", "out_dir", "samples_per_step",
-                   "tensorboard", "wandb_project", "call_timeout_s", "setup_timeout_s")
+                   "tensorboard", "wandb_project", "wandb_name", "wandb_mode", "call_timeout_s",
+                   "setup_timeout_s")
 """`train` fields a resumed run may change; any other difference is refused."""
 WHERE_FIELDS = ("ray_address", "strategy")
 """`placement` fields a resumed run may change too: where it runs, not what it computes."""
@@ -88,14 +105,6 @@ class RunSummary:
     """Wall time of this invocation (a resumed run counts only its own part)."""
 
 
-def config_dict(config: PPOConfig) -> dict[str, dict[str, Any]]:
-    """The config as plain JSON-able nested dicts (for state.json and loggers)."""
-    return {s.name: {f.name: (dict(v) if isinstance(v := getattr(getattr(config, s.name),
-                                                                     f.name), Mapping) else v)
-                     for f in fields(getattr(config, s.name))}
-            for s in fields(config)}
-
-
 def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> RunSummary:
     """Run (or resume) training as configured; see the module docstring.
 
@@ -108,6 +117,9 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> Run
     t = config.train
     out = Path(t.out_dir)
     ckpt_root = out / "checkpoints"
+    # A logger asked for but not installed fails here, before anything is created.
+    require_backends(tensorboard="train.tensorboard=true" if t.tensorboard else None,
+                     wandb=f"train.wandb_project={t.wandb_project}" if t.wandb_project else None)
     if (t.resume or t.resume_from) and not out.is_dir():  # a typo must not make a directory
         raise NoCheckpointError(f"cannot resume: there is no directory {out} (nothing was "
                                 f"created); point --out at the directory of the run to "
@@ -131,12 +143,13 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
         if log:
             log(f"resuming from {ck.path} (step {first})")
     resume_step = first if ck is not None else None
-    tb = str(out / "tensorboard") if t.tensorboard else None
     with (Trainer(config) as trainer,
-          MetricsLogger(out / "metrics.jsonl", resume_step=resume_step, tensorboard_dir=tb,
-                        wandb_project=t.wandb_project, run_config=config_dict(config)) as mlog,
+          metrics_logger(config, resume_step) as mlog,
           SampleDump(out / "samples.jsonl", resume_step=resume_step) as samples,
           Progress(t.steps, initial=first, enabled=t.progress) as bar):
+        if log:  # starting Ray and the workers takes a while: say so, in a plain line
+            where = "on Ray" if config.placement.backend == "ray" else "in this process"
+            log(f"starting {len(trainer.placement().slots)} workers {where} ...")
         trainer.start(weights, optimizers)
         if ck is not None:  # after start: in-process workers share (and seed) these RNGs
             restore_rng_states(ck.extra)
@@ -145,6 +158,7 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
             mlog.log(0, val)
             if log:
                 log(format_step(0, val, ["val/reward"]))
+        bar.start()  # its clock starts with the first step: the start-up above is not one
         for step in range(first, t.steps):
             metrics, batch = trainer.train_step(step)
             done = step + 1
@@ -157,6 +171,7 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
             bar.update(done, metrics)
             if log and not t.progress:
                 log(format_step(done, metrics))
+        bar.close()  # the steps are done: the bar's last rate is theirs, not the plots'
         rows = read_metrics(out / "metrics.jsonl")
         write_plots(rows, out, timeline=trainer.timeline)
     # After the workers are gone: reads the last checkpoint's actor weights back (page cache)
@@ -166,6 +181,20 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
     return RunSummary(out_dir=out, rows=rows, initial_val_reward=vals[0] if vals else float("nan"),
                       final_val_reward=vals[-1] if vals else float("nan"),
                       seconds=time.time() - started)
+
+
+def metrics_logger(config: PPOConfig, resume_step: int | None) -> MetricsLogger:
+    """The run's `MetricsLogger`: ``metrics.jsonl`` in ``train.out_dir``, plus TensorBoard
+    (``tensorboard/`` there) and W&B as configured: named `train.wandb_name` or after the
+    output directory, in `train.wandb_mode` (else WANDB_MODE); a resumed run continues it."""
+    t = config.train
+    out = Path(t.out_dir)
+    return MetricsLogger(out / "metrics.jsonl", resume_step=resume_step,
+                         tensorboard_dir=out / "tensorboard" if t.tensorboard else None,
+                         wandb_project=t.wandb_project,
+                         wandb_name=t.wandb_name or out.resolve().name,
+                         wandb_mode=t.wandb_mode or os.environ.get("WANDB_MODE") or None,
+                         run_config=config_to_dict(config))
 
 
 def save(trainer: Trainer, root: Path, step: int) -> Path:
@@ -178,7 +207,7 @@ def save(trainer: Trainer, root: Path, step: int) -> Path:
     # resume) for code that draws from them, e.g. a plug-in task's reward.
     state = {"step": step, "data_position": step * cfg.train.prompts_per_step,
              "rng": {"seed": cfg.train.seed, "derived_from": "(seed, step)"},
-             "config": config_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
+             "config": config_to_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
     return save_checkpoint(root, step, weights=models.weights, optimizers=models.optimizers,
                            state=state, extra=rng_states(), keep_last=cfg.train.keep_checkpoints)
 
@@ -244,7 +273,7 @@ def _resume_point(config: PPOConfig, out: Path, ckpt_root: Path) -> Checkpoint |
                 f"or start a new one in another or empty directory with --out "
                 f"(train.out_dir); delete {out} first if you no longer need it")
         return None
-    _check_resumable(ck.state["config"], config_dict(config))
+    _check_resumable(ck.state["config"], config_to_dict(config))
     return ck
 
 
@@ -263,7 +292,7 @@ def _earlier_outputs(out: Path, ckpt_root: Path) -> list[str]:
 def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, Any]]) -> None:
     # A field the checkpoint's config lacks is newer than it: the checkpoint's run had that
     # field's default behaviour, so compare with the default.
-    default = config_dict(PPOConfig())
+    default = config_to_dict(PPOConfig())
     was = {sec: {**default.get(sec, {}), **saved.get(sec, {})} for sec in now}
     diffs = [f"{sec}.{k}: {was[sec].get(k)!r} -> {v!r}"
              for sec, values in now.items() for k, v in values.items()
@@ -276,8 +305,9 @@ def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, 
 
 
 def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # noqa: ANN001
+    """`count` rows of the step's batch to dump, spread over its prompts."""
     rows = []
-    for i in range(min(count, len(batch))):
+    for i in spread_rows(batch.scalars["group"].tolist(), count):
         tokens = batch.packed["tokens"].row(i).tolist()
         p = int(batch.prompt_lens[i])
         prompt = trainer.train_set.prompts[int(batch.scalars["prompt_index"][i])]
@@ -285,3 +315,20 @@ def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # no
                      "response": response_text(tokens[p:], trainer.tokenizer),
                      "reward": float(batch.scalars["score"][i])})
     return rows
+
+
+def spread_rows(groups: list[int], count: int) -> list[int]:
+    """Up to `count` row positions, as many prompts as possible: the first response of every
+    group (prompt) in batch order, then the second of every group, and so on. The responses
+    of a prompt sit next to each other, so the first `count` rows would show one prompt.
+
+    Example:
+        >>> spread_rows([0, 0, 0, 1, 1, 1, 2, 2, 2], 4)
+        [0, 3, 6, 1]
+    """
+    seen: dict[int, int] = {}
+    order = []
+    for pos, group in enumerate(groups):
+        order.append((seen.get(group, 0), pos))  # (its rank within its group, its position)
+        seen[group] = seen.get(group, 0) + 1
+    return [pos for _, pos in sorted(order)[:count]]

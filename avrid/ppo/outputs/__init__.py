@@ -5,9 +5,10 @@ Read in this order:
 1. outdir.py      one run per directory (a lock), preflight checks, atomic publishing
 2. checkpoint.py  weights, optimizer and RNG states with a sha256 manifest; exact resume
 3. manifest.py    a checkpoint's manifest: its format, the sha256 of each file, verifying them
-4. metrics.py     metrics as JSON lines, the progress line, TensorBoard and W&B
-5. plots.py       reward and per-phase time curves
-6. export.py      a checkpoint as a Hugging Face model directory vLLM or transformers loads
+4. metrics.py     metrics as JSON lines, the sample dump, TensorBoard and W&B
+5. progress.py    the progress bar: started with the first step, other lines printed above it
+6. plots.py       reward and per-phase time curves
+7. export.py      a checkpoint as a Hugging Face model directory vLLM or transformers loads
 
 No Ray here, and nothing here trains: `driver/run.py` decides what to write and when.
 """

@@ -6,8 +6,8 @@
 - `SampleDump` appends a few (prompt, response, reward) rows per step to ``samples.jsonl``,
   because a reward curve alone does not show *what* the policy learned (or how it hacked the
   reward);
-- `Progress` is a thin tqdm bar, and `format_step` a one-line text summary for logs and
-  notebooks.
+- `format_step` is a one-line text summary for logs and notebooks (the progress bar lives in
+  `avrid.ppo.outputs.progress`; `Progress` is importable from here too).
 
 Resume semantics: both JSONL writers take `resume_step`. Lines of steps after it were written
 by the crashed run past its last checkpoint and will be written again, so they are dropped
@@ -22,24 +22,29 @@ write <file>: <cause>". Whether a directory's earlier files may be truncated at 
 `run.py`'s decision (it refuses to, unless resuming).
 
 This file computes no metrics and imports neither Ray nor, unless asked for, tensorboard or
-wandb (both optional).
+wandb (both optional; `require_backends` checks for them before a run creates anything).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
-import sys
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Self
 
 from avrid.ppo.outputs.outdir import writing
+from avrid.ppo.outputs.progress import Progress
 from avrid.results.timeline import atomic_write
 
+__all__ = ["PROGRESS_KEYS", "MetricsLogger", "Progress", "SampleDump", "format_step",
+           "read_metrics", "require_backends"]
+
 PROGRESS_KEYS = ("train/reward", "val/reward", "time/step")
-"""The metrics `Progress` and `format_step` show by default."""
+"""The metrics `format_step` shows by default (the progress bar shows the same three)."""
 
 
 class _ClosedOnExit:
@@ -95,7 +100,13 @@ class MetricsLogger(_ClosedOnExit):
         resume_step: when resuming from the checkpoint of step k: keep lines of steps <= k,
             drop the rest. None: start an empty file.
         tensorboard_dir: also write scalars there (needs ``pip install tensorboard``).
-        wandb_project: also log to this W&B project (needs ``pip install wandb``).
+        wandb_project: also log to this W&B project (needs ``pip install wandb``). The W&B
+            run's id is kept in ``wandb_id.txt`` next to `path`, so a resumed run (one given
+            `resume_step`) continues the same W&B run instead of starting a new one.
+        wandb_name: the W&B run's display name (default: the name of `path`'s directory).
+        wandb_mode: ``"offline"`` logs to local files only (``wandb sync`` uploads them
+            later), ``"disabled"`` logs nothing; None: W&B's default, which honours the
+            ``WANDB_MODE`` environment variable.
         run_config: the run's config, given to W&B and written as TensorBoard text.
 
     Example:
@@ -111,7 +122,8 @@ class MetricsLogger(_ClosedOnExit):
 
     def __init__(self, path: str | os.PathLike[str], *, resume_step: int | None = None,
                  tensorboard_dir: str | os.PathLike[str] | None = None,
-                 wandb_project: str | None = None,
+                 wandb_project: str | None = None, wandb_name: str | None = None,
+                 wandb_mode: str | None = None,
                  run_config: Mapping[str, Any] | None = None) -> None:
         config = dict(run_config or {})
         # Optional backends first: a missing package must fail before the file is touched.
@@ -123,7 +135,9 @@ class MetricsLogger(_ClosedOnExit):
                 if config:
                     self._tb.add_text("config", json.dumps(config, indent=2, default=str))
             if wandb_project is not None:
-                self._wandb = _wandb_run(wandb_project, config, resume_step)
+                self._wandb = _wandb_run(Path(path).resolve().parent, project=wandb_project,
+                                         name=wandb_name, mode=wandb_mode, config=config,
+                                         resume=resume_step is not None)
             self._out = _JsonlAppender(path, resume_step)
         except BaseException:
             self._close_backends()
@@ -206,41 +220,6 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
-class Progress(_ClosedOnExit):
-    """A tqdm progress bar over training steps with a short postfix: train reward, val
-    reward (when that step has one) and seconds per step.
-
-    Args:
-        total: the number of steps of the run.
-        initial: steps already done (on resume).
-        enabled: False prints nothing at all (e.g. on non-zero ranks or in tests).
-        file: where the bar is drawn (default stderr).
-    """
-
-    def __init__(self, total: int, *, initial: int = 0, enabled: bool = True,
-                 file: IO[str] | None = None) -> None:
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step",
-                         dynamic_ncols=True, file=file if file is not None else sys.stderr)
-        self._done = initial
-
-    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
-        """Move the bar to `step` steps done and show `metrics`' headline numbers."""
-        if step > self._done:
-            self._bar.update(step - self._done)
-            self._done = step
-        if metrics:
-            short = {"reward": "train/reward", "val": "val/reward", "s/step": "time/step"}
-            post = {k: f"{metrics[m]:.3g}" for k, m in short.items()
-                    if isinstance(metrics.get(m), int | float)}
-            self._bar.set_postfix(post, refresh=True)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-
 def format_step(step: int, metrics: Mapping[str, Any],
                 keys: Sequence[str] = PROGRESS_KEYS) -> str:
     """A one-line summary of `keys` (those present) for plain-text logs and notebooks.
@@ -292,24 +271,55 @@ def _line(row: Mapping[str, Any]) -> str:
     return json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n"
 
 
-def _summary_writer(log_dir: str | os.PathLike[str], resume_step: int | None) -> Any:
+def require_backends(*, tensorboard: str | None = None, wandb: str | None = None) -> None:
+    """Raise ImportError now if an optional backend that was asked for is not installed.
+
+    Each argument is how the user asked for that backend (e.g. ``"train.tensorboard=true"``),
+    named in the error; None: not asked for. A run calls this before it creates anything, so
+    a missing package costs nothing but the message.
+
+    Example:
+        >>> require_backends(wandb=None)  # nothing asked for: nothing to check
+    """
+    for asked, module, package in ((tensorboard, "torch.utils.tensorboard", "tensorboard"),
+                                   (wandb, "wandb", "wandb")):
+        if asked is not None:
+            _import(module, package, asked)
+
+
+def _import(module: str, package: str, asked: str) -> Any:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError("tensorboard_dir was given but TensorBoard is not installed: "
-                          "pip install tensorboard") from e
+        raise ImportError(f"{asked} needs the {package} package, which is not installed: "
+                          f"pip install {package}") from e
+
+
+def _summary_writer(log_dir: str | os.PathLike[str], resume_step: int | None) -> Any:
+    writer = _import("torch.utils.tensorboard", "tensorboard", "tensorboard_dir").SummaryWriter
     # purge_step makes TensorBoard hide events past the resumed step, like the JSONL file.
     purge = None if resume_step is None else resume_step + 1
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+    return writer(log_dir=str(log_dir), purge_step=purge)
 
 
-def _wandb_run(project: str, config: dict[str, Any], resume_step: int | None) -> Any:
-    try:
-        import wandb
-    except ImportError as e:
-        raise ImportError("wandb_project was given but Weights & Biases is not installed: "
-                          "pip install wandb") from e
-    # A resumed run starts a new W&B run; its steps continue from resume_step + 1.
-    return wandb.init(project=project, config=config,
-                      notes=None if resume_step is None else f"resumed at step {resume_step}")
+WANDB_ID_FILE = "wandb_id.txt"
+"""Where, in a run's directory, `MetricsLogger` keeps the id of the run's W&B run."""
 
+
+def _wandb_run(run_dir: Path, *, project: str, name: str | None, mode: str | None,
+               config: dict[str, Any], resume: bool) -> Any:
+    wandb = _import("wandb", "wandb", "wandb_project")
+    # One W&B run per training run, however often it is resumed: a fresh run draws an id and
+    # stores it (atomically: a crash leaves the old id or the new one); a resumed run reads
+    # it back, and resume="allow" continues that W&B run (or starts it, if it never reached
+    # W&B). Steps the crashed run logged past its checkpoint are logged again: W&B drops them
+    # with a warning, keeping the crashed run's values (metrics.jsonl has the resumed run's).
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
+    if not run_id:
+        run_id = uuid.uuid4().hex[:16]
+        with writing(id_file):
+            atomic_write(id_file, lambda f: f.write(f"{run_id}\n".encode()))
+    options = {"mode": mode} if mode is not None else {}  # None: W&B reads WANDB_MODE
+    return wandb.init(project=project, name=name or run_dir.name, id=run_id, resume="allow",
+                      dir=str(run_dir), config=config, **options)

@@ -44,6 +44,7 @@ KlPlace = Literal["reward", "loss"]
 Truncation = Literal["keep", "mask", "penalty"]
 """What to do with a response cut off at the response budget (finish reason "length")."""
 LrSchedule = Literal["constant", "linear", "cosine"]
+WandbMode = Literal["online", "offline", "disabled"]
 """How both learning rates move after the warm-up (see `TrainConfig.lr_schedule`)."""
 
 
@@ -296,7 +297,13 @@ class TrainConfig:
     tensorboard: bool = False
     """Also log to tensorboard (needs `pip install tensorboard`)."""
     wandb_project: str | None = None
-    """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+    """Also log to Weights & Biases under this project (needs `pip install wandb`). A resumed
+    run continues the same W&B run (its id is kept in out_dir/wandb_id.txt)."""
+    wandb_name: str | None = None
+    """The W&B run's name; None: the output directory's name."""
+    wandb_mode: WandbMode | None = None
+    """W&B mode: "online", "offline" (local files under out_dir/wandb; upload them later with
+    `wandb sync`) or "disabled"; None: W&B's default, which follows WANDB_MODE."""
     call_timeout_s: float = 3600.0
     """Longest wait for one worker call (one phase on one group: generate, reward, an update,
     a checkpoint gather). Past it the run stops with an error naming the role, the rank, the
@@ -317,6 +324,8 @@ class TrainConfig:
                  val_every=self.val_every, val_prompts=self.val_prompts,
                  call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s)
         one_of("train.lr_schedule", self.lr_schedule, LrSchedule, "schedule")
+        if self.wandb_mode is not None:
+            one_of("train.wandb_mode", self.wandb_mode, WandbMode, "mode")
         need(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio",
              f"must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("weight_decay", "critic_warmup_steps", "checkpoint_every", "lr_warmup_steps",
