@@ -20,6 +20,9 @@ DEMO_SAYS = {"ch01_workers": "same all-reduce results: true",
              "ch04_resharding": "all checks passed",
              "ch05_ppo": "all checks passed"}
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+TEXT_ONLY = {"01_workers"}
+"""Notebooks that draw nothing (chapter 1's story is identities, meshes and placement, told
+in printed tables); every other notebook must be saved with its figures."""
 
 
 @pytest.mark.slow
@@ -66,7 +69,8 @@ def test_notebook_is_committed_with_its_outputs_and_figures(path: Path) -> None:
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert all(c.get("execution_count") for c in cells), f"{path.name}: cells never executed"
     images = [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert images, f"{path.name}: no figure saved in the notebook"
+    if path.stem not in TEXT_ONLY:
+        assert images, f"{path.name}: no figure saved in the notebook"
 
 
 def execute(path: Path):  # noqa: ANN201 - nbformat.NotebookNode
