@@ -77,7 +77,8 @@ def test_top_p_samples_only_from_the_nucleus(policy: torch.nn.Module,
     done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, top_p=0.3, seed=5))
     for prompt, c in zip(PROMPTS, done, strict=True):
         seq = torch.tensor([prompt + list(c.token_ids)])
-        probs = torch.softmax(policy(input_ids=seq).logits[0, len(prompt) - 1:-1], -1)
+        with torch.no_grad():
+            probs = torch.softmax(policy(input_ids=seq).logits[0, len(prompt) - 1:-1], -1)
         for i, t in enumerate(c.token_ids):
             # the token's own probability plus all more likely ones: its mass "before" it
             # must be below top_p for it to be in the nucleus
