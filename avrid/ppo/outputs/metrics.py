@@ -27,6 +27,7 @@ wandb (both optional; `require_backends` checks for them before a run creates an
 
 from __future__ import annotations
 
+import abc
 import importlib
 import json
 import math
@@ -47,11 +48,12 @@ PROGRESS_KEYS = ("train/reward", "val/reward", "time/step")
 """The metrics `format_step` shows by default (the progress bar shows the same three)."""
 
 
-class _ClosedOnExit:
+class _ClosedOnExit(abc.ABC):
     """``with Writer(...) as w:`` closes `w` on the way out, after an error too."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Flush and release what the writer holds."""
 
     def __enter__(self) -> Self:
         return self
