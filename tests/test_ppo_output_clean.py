@@ -29,20 +29,16 @@ from avrid.ppo.outputs.metrics import MetricsLogger, read_metrics
 from avrid.ppo.outputs.progress import Progress, _bar_class
 from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.config import PPOConfig
-from avrid.ppo.setup.overrides import with_overrides
-from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.task import Prompt
+from tests.test_ppo_trainer import tiny as trainer_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny(out: Path, *extra: str) -> PPOConfig:
-    """A seconds-long in-process run: one rank per role, 4 prompts x 4 responses per step."""
-    return with_overrides(preset("tiny-ppo"), [
-        "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
-        "train.steps=1", "train.prompts_per_step=4", "algo.responses_per_prompt=4",
-        "train.mini_batch_size=16", "train.val_prompts=4", "train.val_every=100",
-        "train.progress=false", f"train.out_dir={out}", *extra])
+    """test_ppo_trainer's in-process run cut to one step of 4 prompts x 4 responses."""
+    return trainer_tiny(out, "train.steps=1", "train.prompts_per_step=4",
+                        "train.val_prompts=4", "train.val_every=100", *extra)
 
 
 # ---- the screen --------------------------------------------------------------------------------
