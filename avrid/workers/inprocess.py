@@ -33,6 +33,11 @@ from avrid.workers.outcome import capture, check_outcome, free_port
 from avrid.workers.placement import PlacementPlan, RoleSpec
 
 
+# How long closing waits for ranks still inside a call (a generate, a forward) to return;
+# short, because a rank stuck for good (a hung reward) is then abandoned anyway.
+_CLOSE_GRACE_S = 5.0
+
+
 class _SequentialChannel:
     """Runs each call immediately, in the caller's thread; the ticket is the outcome."""
 
@@ -90,6 +95,10 @@ class _RankThread:
                 item[0].cancel()
         self._calls.put(None)
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the current call to end (see `_ThreadChannel.close`)."""
+        self._thread.join(timeout_s)
+
 
 class _ThreadChannel:
     """One thread per rank: calls to one rank run in order, ranks in parallel."""
@@ -128,9 +137,14 @@ class _ThreadChannel:
 
     def close(self) -> None:
         # Threads cannot be killed; a rank stuck in a collective ends at its gloo timeout, and
-        # one stuck forever is a daemon that does not hold the driver at exit.
+        # one stuck forever is a daemon that does not hold the driver at exit. But a rank still
+        # busy in torch when the interpreter exits aborts the process ("terminate called
+        # without an active exception"), so give running calls a bounded time to end first.
         for thread in self._threads:
             thread.stop()
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class InProcessBackend:
