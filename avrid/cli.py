@@ -17,8 +17,9 @@ a preset (--preset, default tiny-ppo) or a config file (--config; a whole config
 both), then the flags (--algo, --steps, --seed, --out, --backend, --address, --task,
 --resume), then each --set in order.
 
-It sits above every layer and holds no logic of its own: training is `avrid.ppo.driver.run.train`,
-exporting is `avrid.ppo.outputs.export.export_checkpoint`, each demo lives in its chapter package.
+It sits above every layer and holds no logic of its own: training is `avrid.pipeline.train`
+(chapter 5's `avrid.ppo.driver.run.train` with the trainer of `pipeline.mode`), exporting is
+`avrid.ppo.outputs.export.export_checkpoint`, each demo lives in its chapter package.
 Chapters are run from the source checkout, so `demo` needs the repository that avrid was
 installed from (``pip install -e .``).
 """
@@ -178,7 +179,7 @@ def _need_ppo_extra(command: str) -> None:
 def _ppo(args: argparse.Namespace) -> None:
     """Build the config from preset or file, flags, then --set (validated once); train."""
     _need_ppo_extra("avrid ppo")
-    from avrid.ppo.driver.run import train
+    from avrid.pipeline import train
     from avrid.ppo.setup.config_file import dump_config
     from avrid.ppo.setup.field_help import help_config
     from avrid.ppo.setup.overrides import with_overrides

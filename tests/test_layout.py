@@ -24,8 +24,9 @@ STEP_FILES = [
 """The files of avrid/ppo a learner opens to follow one step from `train_step`, in the
 order chapters/ch05_ppo/README.md gives them."""
 
-STEP_FUNCTIONS = ("train_step", "_update", "_metrics", "compute_advantages", "_truncated",
-                  "step_seed", "_Phases")
+STEP_FUNCTIONS = ("train_step", "generator", "step_prompts", "sampling", "updates_actor",
+                  "learn", "_update", "_metrics", "compute_advantages", "_truncated",
+                  "step_seed")
 """`train_step` and the helpers of trainer.py it calls."""
 
 

@@ -97,20 +97,46 @@ def _run_bucket(bucket: Bucket, plan: TransferPlan, pmap: ProcessMap, process: i
         to, frm = pmap.target[t.dst_rank], pmap.source[t.src_rank]
         if t.src_rank == src and frm == process and to != process:
             # A contiguous copy: send buffers must be dense.
-            ops.append(dist.P2POp(dist.isend, _piece(shards, plan.source, t).contiguous(),
-                                  to, group))
+            ops.append(("send", _piece(shards, plan.source, t).contiguous(), to))
         if t.dst_rank == dst and to == process:
             if frm == process:  # sender and receiver in one process, not planned local
                 _slot(out, plan.target, t).copy_(_piece(shards, plan.source, t))
                 continue
             buf = torch.empty(t.region.shape, dtype=out[t.param].dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, frm, group))
+            ops.append(("recv", buf, frm))
             landing.append((t, buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    _post(ops, group)
     for t, buf in landing:
         _slot(out, plan.target, t).copy_(buf)
+
+
+def _post(ops: list[tuple[str, torch.Tensor, int]], group: dist.ProcessGroup | None) -> None:
+    """Post one bucket's sends and receives ("send"/"recv", tensor, peer) together; wait."""
+    if not ops:
+        return
+    if group is None or _registered(group):
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group)
+            for kind, t, peer in ops])
+    else:
+        # A group built straight from a TCPStore (an in-process rank's, or chapter 6's group
+        # joining the trainer and rollout pools) is not in torch.distributed's registry, so
+        # P2POp cannot translate its ranks: post on the group object itself. Every process
+        # walks the buckets' transfers in the same order, so no receive waits on a send that
+        # its peer posts later.
+        works = [group.send([t], peer, 0) if kind == "send" else group.recv([t], peer, 0)
+                 for kind, t, peer in ops]
+    for work in works:
+        work.wait()
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch.distributed knows `group` (the default group or one from new_group)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except KeyError:
+        return False
+    return True
 
 
 def naive_allgather(source: ModelLayout, target: ModelLayout, process: int,

@@ -3,11 +3,13 @@ strategy, a checked merge back into the original order with exact metric reducti
 timeline of who did what when.
 
 Read in this order: result.py (the values), builder.py (worker side), merge.py (driver side),
-run.py (the round trip), timeline.py (trace file and Gantt chart).
+run.py (the round trip), timeline.py (trace file and Gantt chart), phases.py (a driver
+step's timed phases and its timeline).
 """
 
 from avrid.results.builder import ResultBuilder, is_collect_rank
 from avrid.results.merge import Merged, merge
+from avrid.results.phases import Phases
 from avrid.results.result import (
     REDUCTIONS,
     RESULT_VERSION,
@@ -17,11 +19,12 @@ from avrid.results.result import (
     WorkerResult,
     merge_metrics,
 )
-from avrid.results.run import run_shards
+from avrid.results.run import ShardCall, run_shards, start_shards
 from avrid.results.timeline import Lane, Timeline, Utilization, atomic_write, palette
 
 __all__ = [
-    "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Reduction", "ResultBuilder",
-    "Span", "Timeline", "Utilization", "WorkerResult", "atomic_write", "is_collect_rank",
-    "merge", "merge_metrics", "palette", "run_shards",
+    "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Phases", "Reduction",
+    "ResultBuilder", "ShardCall", "Span", "Timeline", "Utilization", "WorkerResult",
+    "atomic_write", "is_collect_rank", "merge", "merge_metrics", "palette", "run_shards",
+    "start_shards",
 ]

@@ -9,6 +9,9 @@ timeline shows where the driver (not just the workers) spends a step:
     wait      until every rank has answered (the bubbles live here)
     merge     check and combine the canonical results
 
+`start_shards` is the same call cut in two — plan and send now, wait and merge on
+`.result()` — for a driver that keeps two groups busy at once.
+
 The method must take a `Shard` and return a `WorkerResult` (built with `ResultBuilder`).
 """
 
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, make_plan, submit_shards
 from avrid.results.merge import Merged, merge
 from avrid.results.result import Span, WorkerResult
-from avrid.workers import WorkerGroup
+from avrid.workers import PendingCall, WorkerGroup
 
 
 def run_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: Batch,
@@ -33,6 +37,17 @@ def run_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: B
     Pass `plan` to reuse one (e.g. the same plan for log-probs and values); otherwise one is
     made from `config`. Extra arguments go to every rank's `method` after the shard.
     """
+    return start_shards(group, method, batch, config, *args, plan=plan, data_axis=data_axis,
+                        **kwargs).result()
+
+
+def start_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: Batch,
+                 config: DispatchConfig | None = None, *args: Any,
+                 plan: DispatchPlan | None = None, data_axis: str | None = None,
+                 **kwargs: Any) -> ShardCall:
+    """`run_shards`' first half: plan and send, then return at once, so that the driver can
+    start another group's work (chapter 6 generates while it trains); `.result()` waits and
+    merges."""
     if config is not None and not isinstance(config, DispatchConfig):
         raise TypeError(f"run_shards: the 4th argument is the DispatchConfig (or None), got "
                         f"{config!r}; pass the method's own arguments after it or by keyword")
@@ -43,10 +58,31 @@ def run_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: B
         plan = make_plan(batch, group.mesh.axis_size(axis), config)
     spans.append(Span(name="plan", start=t, end=(t := time.time())))
     pending = submit_shards(group, method, plan, batch, *args, data_axis=axis, **kwargs)
-    spans.append(Span(name="send", start=t, end=(t := time.time())))
-    results = pending.result(group.call_timeout_s)
-    spans.append(Span(name="wait", start=t, end=(t := time.time())))
-    merged = merge(plan, results, data_axis=axis)
-    spans.append(Span(name="merge", start=t, end=time.time()))
-    return Merged(batch=merged.batch, metrics=merged.metrics, results=merged.results,
-                  driver_spans=tuple(spans))
+    spans.append(Span(name="send", start=t, end=time.time()))
+    return ShardCall(group=group, plan=plan, pending=pending, axis=axis, spans=spans)
+
+
+@dataclass(slots=True, kw_only=True)
+class ShardCall:
+    """A `start_shards` call in flight: every rank has its shard; nothing is gathered yet."""
+
+    group: WorkerGroup
+    plan: DispatchPlan
+    pending: PendingCall[WorkerResult]
+    axis: str
+    spans: list[Span]
+    """The driver's spans so far (plan, send); `result` adds wait and merge."""
+
+    def done(self) -> bool:
+        """Whether every rank has answered (`result` would not wait)."""
+        return self.pending.done()
+
+    def result(self) -> Merged:
+        """Wait for every rank (at most the group's call timeout) and merge, in batch order."""
+        t = time.time()
+        results = self.pending.result(self.group.call_timeout_s)
+        self.spans.append(Span(name="wait", start=t, end=(t := time.time())))
+        merged = merge(self.plan, results, data_axis=self.axis)
+        self.spans.append(Span(name="merge", start=t, end=time.time()))
+        return Merged(batch=merged.batch, metrics=merged.metrics, results=merged.results,
+                      driver_spans=tuple(self.spans))

@@ -45,6 +45,10 @@ class Channel(Protocol):
         as one rank raised or died, or when `timeout_s` passes with ranks still running."""
         ...
 
+    def done(self, tickets: Sequence[Any]) -> bool:
+        """Whether every ticket has finished (well or not), without waiting."""
+        ...
+
     def put(self, value: Any) -> Any:
         """Store `value` once where every rank can read it; return what to pass instead
         (a Ray ObjectRef, resolved before the method runs; in-process, the value itself)."""
@@ -67,6 +71,11 @@ class PendingCall(Generic[R]):
     def result(self, timeout_s: float | None = None) -> list[R]:
         """The outcomes in rank order; raises `WorkerError` for the first rank that failed."""
         return self.channel.gather(self.tickets, self.ranks, self.method, timeout_s)
+
+    def done(self) -> bool:
+        """Whether every rank has finished, so `result` would not wait (a driver keeping two
+        groups busy asks this between its own steps)."""
+        return self.channel.done(self.tickets)
 
 
 class WorkerGroup(Generic[W]):

@@ -32,7 +32,6 @@ from avrid.workers.identity import Rendezvous, WorkerIdentity
 from avrid.workers.outcome import capture, check_outcome, free_port
 from avrid.workers.placement import PlacementPlan, RoleSpec
 
-
 # How long closing waits for ranks still inside a call (a generate, a forward) to return;
 # short, because a rank stuck for good (a hung reward) is then abandoned anyway.
 _CLOSE_GRACE_S = 5.0
@@ -53,6 +52,9 @@ class _SequentialChannel:
                timeout_s: float | None) -> list[Any]:
         return [check_outcome(t, self._identities[r], method)
                 for t, r in zip(tickets, ranks, strict=True)]
+
+    def done(self, tickets: Sequence[Any]) -> bool:
+        return True  # each call ran to its end when it was submitted
 
     def put(self, value: Any) -> Any:
         return value  # one process: every rank can read the object itself
@@ -131,6 +133,9 @@ class _ThreadChannel:
             for t in done:
                 check_outcome(t.result(), self._identities[rank_of[id(t)]], method)
         return [t.result() for t in tickets]
+
+    def done(self, tickets: Sequence[Future[Any]]) -> bool:
+        return all(t.done() for t in tickets)
 
     def put(self, value: Any) -> Any:
         return value

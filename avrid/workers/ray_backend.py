@@ -197,6 +197,10 @@ class _RayChannel:
             failures = [f for t in tickets if (f := self._failure(t, rank_of[t], method))]
             raise _root_cause(failures) from None
 
+    def done(self, tickets: Sequence[ray.ObjectRef]) -> bool:
+        ready, _ = ray.wait(list(tickets), num_returns=len(tickets), timeout=0)
+        return len(ready) == len(tickets)
+
     def put(self, value: Any) -> ray.ObjectRef:
         return ray.put(value)  # serialised once into the object store; ranks fetch it
 

@@ -6,7 +6,10 @@ Read in this order:
 2. advantages.py  KL-penalised rewards, GAE, whitening, GRPO's group-normalised advantages
 3. losses.py      KL estimators, the four loss-aggregation modes as per-token weights, the
                   clipped policy loss (dual clip, asymmetric clip) and the clipped value loss
+4. off_policy.py  chapter 6's off-policy correction: per-token importance weights for stale
+                  batches (none, truncated IS, decoupled PPO)
 
 Every formula is in a docstring and checked against numbers worked by hand in
-tests/test_ppo_math.py; the same functions run on the driver and inside the workers.
+tests/test_ppo_math.py and tests/test_off_policy.py; the same functions run on the driver
+and inside the workers.
 """

@@ -31,13 +31,21 @@ def build_placement(config: PPOConfig, tokenizer: Tokenizer, *,
                     max_response_tokens: int) -> PlacementPlan:
     """The pools and role specs of this run (validated by chapter 1's `plan_placement`).
     `max_response_tokens` is the run's one response budget (the trainer resolves it)."""
+    return plan_placement(*placement_parts(config, tokenizer,
+                                           max_response_tokens=max_response_tokens))
+
+
+def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
+                    max_response_tokens: int) -> tuple[list[ResourcePool], list[RoleSpec]]:
+    """`build_placement`'s pools and role specs before they are checked and laid out, for a
+    layer that adds to them (chapter 6 adds a rollout pool)."""
     p = config.placement
     gpus = 1.0 if p.device == "cuda" else 0.0
     share = 2 if config.algo.uses_critic and p.colocate_critic else 1
     policy_pool = ResourcePool.uniform("policy", p.actor_dp, cpus=p.cpus_per_worker, gpus=gpus,
                                        strategy=p.strategy)
     pools = [policy_pool]
-    tok = {"vocab_size": _vocab(tokenizer), "pad_id": tokenizer.pad_token_id}
+    tok = tokenizer_kwargs(tokenizer)
     # Colocated roles split each bundle (CPUs and GPU); the policy leaves room for the reward.
     cpus = p.cpus_per_worker / share - REWARD_CPU_SHARE
     roles = [RoleSpec(role="policy", worker=PolicyWorker, mesh=Mesh.of(dp=p.actor_dp),
@@ -61,8 +69,9 @@ def build_placement(config: PPOConfig, tokenizer: Tokenizer, *,
                           init_kwargs={"task_name": config.task.name,
                                        "task_options": dict(config.task.options),
                                        "task_path": config.task.path, "tokenizer": tokenizer}))
-    return plan_placement(pools, roles)
+    return pools, roles
 
 
-def _vocab(tokenizer: Tokenizer) -> int:
-    return int(tokenizer.vocab_size)
+def tokenizer_kwargs(tokenizer: Tokenizer) -> dict[str, int]:
+    """What a model-holding worker needs to know of the tokenizer: vocabulary and pad id."""
+    return {"vocab_size": int(tokenizer.vocab_size), "pad_id": tokenizer.pad_token_id}

@@ -105,8 +105,11 @@ class RunSummary:
     """Wall time of this invocation (a resumed run counts only its own part)."""
 
 
-def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> RunSummary:
-    """Run (or resume) training as configured; see the module docstring.
+def train(config: PPOConfig, *, log: Callable[[str], None] | None = None,
+          make_trainer: Callable[[PPOConfig], Trainer] = Trainer) -> RunSummary:
+    """Run (or resume) training as configured; see the module docstring. `make_trainer`
+    builds the trainer (chapter 6's `avrid.pipeline.make_trainer` picks one per
+    `pipeline.mode`; this default runs the synchronous loop only).
 
     Raises:
         OutDirError: (a ValueError) the output directory is busy, holds an earlier run that
@@ -130,11 +133,12 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> Run
         ck = _resume_point(config, out, ckpt_root)
         for directory in (ckpt_root, out):  # any temporary dir here is a dead save's
             remove_stale_temp_dirs(directory)
-        return _train(config, out, ckpt_root, ck, started, log)
+        return _train(config, out, ckpt_root, ck, started, log, make_trainer)
 
 
 def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
-           started: float, log: Callable[[str], None] | None) -> RunSummary:
+           started: float, log: Callable[[str], None] | None,
+           make_trainer: Callable[[PPOConfig], Trainer]) -> RunSummary:
     """The run proper, once the output directory is locked and checked."""
     t = config.train
     first, weights, optimizers = 0, None, None
@@ -143,14 +147,14 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
         if log:
             log(f"resuming from {ck.path} (step {first})")
     resume_step = first if ck is not None else None
-    with (Trainer(config) as trainer,
+    with (make_trainer(config) as trainer,
           metrics_logger(config, resume_step) as mlog,
           SampleDump(out / "samples.jsonl", resume_step=resume_step) as samples,
           Progress(t.steps, initial=first, enabled=t.progress) as bar):
         if log:  # starting Ray and the workers takes a while: say so, in a plain line
             where = "on Ray" if config.placement.backend == "ray" else "in this process"
             log(f"starting {len(trainer.placement().slots)} workers {where} ...")
-        trainer.start(weights, optimizers)
+        trainer.start(weights, optimizers, step=first)
         if ck is not None:  # after start: in-process workers share (and seed) these RNGs
             restore_rng_states(ck.extra)
         if first == 0:

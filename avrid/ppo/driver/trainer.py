@@ -22,8 +22,7 @@ resumed run continues exactly.
 
 from __future__ import annotations
 
-import time
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 
 import torch
 
@@ -56,15 +55,24 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.task import Task
 from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.ppo.setup.validate import check_paths, validate
-from avrid.results import Merged, Span, Timeline, run_shards
-from avrid.results.result import timed
-from avrid.workers import Cluster, InProcessBackend, PlacementPlan
+from avrid.results import Merged, Phases, Timeline, WorkerResult, run_shards
+from avrid.workers import Cluster, InProcessBackend, PlacementPlan, WorkerGroup
 
 
 class Trainer:
     """Builds the cluster for `config` and runs steps; use as a context manager."""
 
+    policy_worker: type[PolicyWorker] = PolicyWorker
+    """The worker class of the "policy" role (chapter 6's trainer swaps in one without an
+    engine)."""
+
     def __init__(self, config: PPOConfig) -> None:
+        if config.pipeline.disaggregated and type(self) is Trainer:
+            # Never run another mode than the one asked for (verl #4449: a "sync" mode that
+            # silently ran one step off).
+            raise ValueError(f"pipeline.mode={config.pipeline.mode!r} is run by "
+                             f"avrid.pipeline.PipelinedTrainer (chapter 6); this Trainer runs "
+                             f"the synchronous loop (pipeline.mode='sync') only")
         self.config = config
         check_paths(config)
         t = config.task
@@ -95,8 +103,10 @@ class Trainer:
         """Where each role runs (`placement.build_placement` with this run's response budget)."""
         return build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
 
-    def start(self, weights: dict | None = None, optimizers: dict | None = None) -> None:
-        """Start the workers and build (or restore, from a checkpoint's pieces) the models."""
+    def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
+              step: int = 0) -> None:
+        """Start the workers and build (or restore, from a checkpoint's pieces) the models;
+        `step`: the step the run (re)starts at (what the weights have been trained for)."""
         plan = self.placement()
         t = self.config.train
         # Every call the driver makes waits at most `call_timeout_s`: a stuck reward function
@@ -110,7 +120,7 @@ class Trainer:
         else:
             backend = InProcessBackend(concurrent=True, call_timeout_s=t.call_timeout_s)
         self.cluster = backend.launch(plan)
-        self.policy = self.cluster.group("policy", PolicyWorker)
+        self.policy = self.cluster.group("policy", self.policy_worker)
         self.reward = self.cluster.group("reward", RewardWorker)
         self.critic = (self.cluster.group("critic", CriticWorker)
                        if self.config.algo.uses_critic else None)
@@ -176,18 +186,49 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[dict[str, float], Batch]:
         """Run step `step` (0-based); returns its metrics and the scored batch."""
-        cfg, a = self.config, self.config.algo
-        phases = _Phases()
-        n = a.responses_per_prompt
+        phases = Phases()
+        prompts = self.step_prompts(step)
+        with phases("generate"):
+            gen = phases.add(run_shards(*self.generator(), prompts, None,
+                                        **self.sampling(step)))
+        batch, merged = self.learn(step, with_responses(prompts, gen.batch), phases)
+        if self.updates_actor(step):
+            with phases("weight_sync"):
+                sync = self.policy.call(PolicyWorker.sync_weights)
+        metrics = self._metrics(batch, [gen, *merged], phases)
+        if self.updates_actor(step):
+            metrics["sync/bytes_per_rank"] = float(max(s.bytes_moved for s in sync))
+        self.timeline = phases.timeline()
+        return metrics, batch
+
+    def generator(self) -> tuple[WorkerGroup, Callable[..., WorkerResult]]:
+        """The group and method that generate: the policy's hybrid engine here (chapter 6's
+        trainer: its rollout pool)."""
+        return self.policy, PolicyWorker.generate
+
+    def step_prompts(self, step: int) -> Batch:
+        """The prompts of step `step`, each repeated `responses_per_prompt` times; sample ids
+        are unique over the run."""
+        cfg, n = self.config, self.config.algo.responses_per_prompt
         indices = step_indices(step, cfg.train.prompts_per_step, len(self.train_set),
                                cfg.train.seed)
-        prompts = prompt_batch(self.train_set, indices, repeats=n, split=TRAIN,
-                               first_id=step * cfg.train.prompts_per_step * n)
-        with phases("generate"):
-            gen = phases.add(run_shards(
-                self.policy, PolicyWorker.generate, prompts, None,
-                max_new_tokens=self.max_response, greedy=False, seed=step_seed(cfg, step)))
-            batch = with_responses(prompts, gen.batch)
+        return prompt_batch(self.train_set, indices, repeats=n, split=TRAIN,
+                            first_id=step * cfg.train.prompts_per_step * n)
+
+    def sampling(self, step: int) -> dict[str, int | bool]:
+        """The keyword arguments of step `step`'s generate call (its seed depends on the
+        step alone, wherever and whenever the generation runs)."""
+        return {"max_new_tokens": self.max_response, "greedy": False,
+                "seed": step_seed(self.config, step)}
+
+    def updates_actor(self, step: int) -> bool:
+        """Whether step `step` updates the actor (not during the critic's warm-up)."""
+        return step >= self.config.train.critic_warmup_steps
+
+    def learn(self, step: int, batch: Batch, phases: Phases) -> tuple[Batch, list[Merged]]:
+        """Everything of a step after generation, up to the actor's update: reward, log-probs,
+        values, advantages and the updates. Returns the scored batch and the calls' results."""
+        cfg, a = self.config, self.config.algo
         with phases("reward"):
             scored = phases.add(run_shards(self.reward, RewardWorker.score, batch))
             batch = add_columns(batch, scalars={"score": scored.batch.scalars["score"]})
@@ -212,19 +253,13 @@ class Trainer:
         if self.critic is not None:
             with phases("critic_update"):
                 updates += self._update(self.critic, CriticWorker.update, batch, step, phases)
-        if step >= cfg.train.critic_warmup_steps:
+        if self.updates_actor(step):
             with phases("actor_update"):
                 updates += self._update(self.policy, PolicyWorker.update, batch, step, phases)
-            with phases("weight_sync"):
-                sync = self.policy.call(PolicyWorker.sync_weights)
-        metrics = self._metrics(batch, [gen, scored, old, *updates], phases)
-        if step >= cfg.train.critic_warmup_steps:
-            metrics["sync/bytes_per_rank"] = float(max(s.bytes_moved for s in sync))
-        self.timeline = phases.timeline()
-        return metrics, batch
+        return batch, [scored, old, *updates]
 
     def _update(self, group, method, batch: Batch, step: int,  # noqa: ANN001
-                phases: _Phases) -> list[Merged]:
+                phases: Phases) -> list[Merged]:
         """`ppo_epochs` passes of shuffled mini-batches, one optimizer step each."""
         t = self.config.train
         gen = torch.Generator().manual_seed(step_seed(self.config, step) + 1)
@@ -237,7 +272,7 @@ class Trainer:
                                                  step=step)))
         return out
 
-    def _metrics(self, batch: Batch, merged: list[Merged], phases: _Phases) -> dict[str, float]:
+    def _metrics(self, batch: Batch, merged: list[Merged], phases: Phases) -> dict[str, float]:
         sums: dict[str, list[float]] = {}
         for m in merged:
             for k, v in m.metric_values().items():
@@ -264,9 +299,8 @@ class Trainer:
         r = self.config.rollout
         prompts = prompt_batch(self.val_set, range(len(self.val_set)), repeats=1, first_id=0,
                                split=VAL)
-        gen = run_shards(self.policy, PolicyWorker.generate, prompts, None,
-                         max_new_tokens=self.max_response, greedy=r.val_greedy,
-                         seed=step_seed(self.config, -1))
+        gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
+                         greedy=r.val_greedy, seed=step_seed(self.config, -1))
         batch = with_responses(prompts, gen.batch)
         scored = run_shards(self.reward, RewardWorker.score, batch)
         return {"val/reward": float(scored.batch.scalars["score"].mean()),
@@ -331,40 +365,3 @@ def step_seed(config: PPOConfig, step: int) -> int:
     """The sampling seed of `step` (-1: validation), from (train.seed, step) alone; each rank
     adds its rank, and the step's mini-batch shuffle uses this + 1."""
     return config.train.seed * 1_000_003 + (step + 1) * 7919
-
-
-class _Phases:
-    """Times the named phases of one step and keeps every worker result for the timeline."""
-
-    def __init__(self) -> None:
-        self.start = time.time()
-        self.spans: list[Span] = []
-        self.merged: list[Merged] = []
-
-    def __call__(self, name: str) -> AbstractContextManager[None]:
-        """Time the phase `name` (a driver span on the timeline)."""
-        return timed(self.spans, name)
-
-    def add(self, merged: Merged) -> Merged:
-        self.merged.append(merged)
-        return merged
-
-    def times(self) -> dict[str, float]:
-        """time/<phase> seconds, time/step, and the share of the step that workers did not
-        spend computing (driver, dispatch, merge, transport, waiting): time/overhead."""
-        out = {f"time/{s.name}": s.end - s.start for s in self.spans}
-        out["time/step"] = time.time() - self.start
-        busy = 0.0
-        for m in self.merged:  # per call: the busiest rank's compute is the critical path
-            per_rank: dict[str, float] = {}
-            for r in m.results:
-                per_rank[r.identity.name] = sum(s.end - s.start for s in r.spans)
-            busy += max(per_rank.values(), default=0.0)
-        out["time/compute"] = busy
-        out["time/overhead"] = max(0.0, 1.0 - busy / out["time/step"])
-        return out
-
-    def timeline(self) -> Timeline:
-        results = [r for m in self.merged for r in m.results]
-        driver = self.spans + [s for m in self.merged for s in m.driver_spans]
-        return Timeline.from_results(results, driver_spans=driver)

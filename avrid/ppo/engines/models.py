@@ -241,3 +241,13 @@ def tiny_spec(config: PPOConfig, vocab_size: int) -> TinyModelSpec:
     return TinyModelSpec(vocab_size=vocab_size, hidden_size=m.hidden_size,
                          intermediate_size=2 * m.hidden_size, num_layers=m.num_layers,
                          num_heads=m.num_heads, num_kv_heads=m.num_heads)
+
+
+def initial_policy(config: PPOConfig, *, vocab_size: int, eos_id: int,
+                   pad_id: int) -> torch.nn.Module:
+    """The fp32 policy of a run as it is at step 0: the tiny random one from the run's seed
+    (the same in every process), or the local checkpoint `model.path`."""
+    if config.model.path is None:
+        return build_tiny_policy(tiny_spec(config, vocab_size), seed=config.train.seed,
+                                 eos_token_id=eos_id, pad_token_id=pad_id, dtype=torch.float32)
+    return load_policy(config.model.path, dtype=torch.float32)

@@ -9,9 +9,10 @@ Read in this order:
 3. fsdp.py         sharding a model with FSDP2 and reading its full weights back
 4. trained.py      `TrainedWorker`: the base of the FSDP-trained roles (process group, build
                    or load, shard, AdamW, restore, state, close)
-5. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
-6. weight_sync.py  the actor's shards into each rank's engine (chapter 4), fingerprint-checked
-7. critic.py       `CriticWorker`: values and the clipped value-loss update
+5. generation.py   a rank's rollout engine: build it, load weights into it, generate a shard
+6. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
+7. weight_sync.py  the actor's shards into each rank's engine (chapter 4), fingerprint-checked
+8. critic.py       `CriticWorker`: values and the clipped value-loss update
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`; nothing here knows about steps, checkpoints or the other roles.

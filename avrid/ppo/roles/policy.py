@@ -26,23 +26,19 @@ beyond the models and the optimizer.
 
 from __future__ import annotations
 
-import copy
-import shutil
-import tempfile
-
 import torch
 
-from avrid.dispatch import Packed, Shard
+from avrid.dispatch import Shard
 from avrid.ppo.algo.losses import kl_estimate, policy_loss
+from avrid.ppo.algo.off_policy import importance_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
-from avrid.ppo.engines.models import build_tiny_policy, load_policy, tiny_spec
-from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
+from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.forward import response_logprobs, train_shard
+from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
 from avrid.ppo.roles.weight_sync import SyncReport, WeightSync
 from avrid.ppo.setup.config import PPOConfig
-from avrid.reshard.engines import TorchEngineSink
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
@@ -70,6 +66,8 @@ class PolicyWorker(TrainedWorker):
         by `_before_shard`), then the engine's first weight sync; all ranks at once. Returns
         the number of actor parameters."""
         count = super().setup(weights, optimizer_state)
+        if self.engine is None:  # no engine of its own: nothing to keep in sync here
+            return count
         ident = self.identity
         # Whole-tensor shapes: a sharded parameter (DTensor) reports its global shape.
         shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
@@ -82,14 +80,10 @@ class PolicyWorker(TrainedWorker):
         return count
 
     def _build_model(self) -> torch.nn.Module:
-        """The fp32 policy as at step 0: the tiny random one from the run's seed (the same on
-        every rank), or the local checkpoint `model.path`. Builds the actor and the reference."""
-        cfg = self.config
-        if cfg.model.path is None:
-            return build_tiny_policy(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed,
-                                     eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                                     dtype=torch.float32)
-        return load_policy(cfg.model.path, dtype=torch.float32)
+        """The fp32 policy as at step 0 (`models.initial_policy`): the tiny random one from the
+        run's seed, or the local checkpoint `model.path`. Builds the actor and the reference."""
+        return initial_policy(self.config, vocab_size=self.vocab_size, eos_id=self.eos_id,
+                              pad_id=self.pad_id)
 
     def _before_shard(self, model: torch.nn.Module) -> None:
         """The reference and the rollout engine, made while the actor's model is whole."""
@@ -102,76 +96,29 @@ class PolicyWorker(TrainedWorker):
         model = fsdp.cast_parameters(self._build_model(), self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
 
-    def _engine_copy(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The rollout engine's own copy of the (fp32) actor model, its parameters in the
-        engine's dtype (`model.dtype`); fp32 leaves the copy as it is."""
-        return fsdp.cast_parameters(copy.deepcopy(model), self.dtype)
-
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
-        if self.config.rollout.engine == "vllm":
-            return self._make_vllm_engine(model)
-        # The engine gets its own, unsharded copy: FSDP will shard the actor's in place.
-        return TorchEngine(self._engine_copy(model).eval(), pad_token_id=self.pad_id)
-
-    def _make_vllm_engine(self, model: torch.nn.Module):  # noqa: ANN202 (VllmEngine)
-        """vLLM built from the model's config alone (``load_format="dummy"``: random weights):
-        `setup` loads the actor's weights into it before anything is generated, so a fresh
-        run, a resumed run and a checkpoint path all start from the weights being trained."""
-        from avrid.ppo.engines.vllm_engine import VllmEngine  # vllm is imported only where used
-
-        cfg = self.config
-        max_model_len = cfg.rollout.max_prompt_tokens + self.max_response
-        hf_config = copy.deepcopy(model.config)
-        # vLLM refuses a context longer than the declared maximum; this RoPE has no
-        # length-dependent scaling, so raising the declared maximum changes no number.
-        hf_config.max_position_embeddings = max(hf_config.max_position_embeddings,
-                                                max_model_len)
-        self._engine_dir = tempfile.mkdtemp(prefix=f"avrid-vllm-{self.identity.rank}-")
-        hf_config.save_pretrained(self._engine_dir)
-        mib = cfg.rollout.vllm_kv_cache_mib
-        return VllmEngine(self._engine_dir, load_format="dummy", dtype=cfg.model.dtype,
-                          seed=cfg.train.seed, max_model_len=max_model_len,
-                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                          kv_cache_bytes=None if mib is None else mib << 20)
+        """This rank's rollout engine (`generation.build_engine`); a subclass whose ranks do
+        not generate (chapter 6's trainer, with a rollout pool of its own) returns None."""
+        engine, self._engine_dir = build_engine(self.config, model, rank=self.identity.rank,
+                                                pad_id=self.pad_id,
+                                                max_response=self.max_response)
+        return engine
 
     # ---- rollout ---------------------------------------------------------------------------
 
     def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
                  seed: int) -> WorkerResult:
-        """Sample one response per prompt of the shard (the rows' "tokens" are prompts).
-        Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs), and
-        the per-sample scalar "truncated": 1 where the response hit `max_new_tokens` without
-        a stop token (the engine's finish reason "length"), else 0."""
+        """Sample one response per prompt of the shard (`generation.generate_shard`): packed
+        "response" and "rollout_logp", scalar "truncated"."""
+        if self.engine is None:
+            raise RuntimeError(f"{self.identity.name} has no rollout engine: with pipeline."
+                               f"mode={self.config.pipeline.mode!r} the rollout pool generates")
         if max_new_tokens > self.max_response:  # the engine's context was sized for that
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response "
                              f"budget of {self.max_response} tokens")
-        builder = ResultBuilder.for_shard(self.identity, shard)
-        batch = shard.batch
-        prompts = [batch.packed["tokens"].row(i).tolist() for i in range(len(batch))]
-        r = self.config.rollout
-        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=greedy,
-                                temperature=1.0 if greedy else r.temperature,
-                                top_k=0 if greedy else r.top_k,
-                                top_p=1.0 if greedy else r.top_p,
-                                stop_token_ids=self.stop_ids,
-                                seed=seed + self.identity.rank)  # one stream per rank
-        with builder.span("generate"):
-            self.engine.wake()
-            done = self.engine.generate(prompts, params) if prompts else []
-            self.engine.sleep()
-        lengths = [len(c.token_ids) for c in done]
-        truncated = torch.tensor([c.finish_reason == "length" for c in done], dtype=torch.int64)
-        builder.add(batch.sample_ids, packed={
-            "response": Packed.from_rows([torch.tensor(c.token_ids, dtype=torch.int64)
-                                          for c in done]),
-            "rollout_logp": Packed.from_rows([torch.tensor(c.logprobs, dtype=torch.float32)
-                                              for c in done])},
-            scalars={"truncated": truncated})
-        builder.metric("rollout/response_len", torch.tensor(lengths, dtype=torch.float64),
-                       "mean_samples")
-        builder.metric("rollout/truncation_rate", truncated.to(torch.float64), "mean_samples")
-        builder.metric("rollout/tokens", float(sum(lengths)), "sum")
-        return builder.build()
+        return generate_shard(self.engine, shard, self.identity, self.config,
+                              stop_ids=self.stop_ids, max_new_tokens=max_new_tokens,
+                              greedy=greedy, seed=seed)
 
     # ---- log-probs -------------------------------------------------------------------------
 
@@ -199,7 +146,7 @@ class PolicyWorker(TrainedWorker):
     def update(self, shard: Shard, *, totals: Totals, step: int) -> WorkerResult:
         """One PPO optimizer step of the actor on its shard of a mini-batch, at training step
         `step`'s learning rate (`trained.lr_at`)."""
-        a = self.config.algo
+        a, q = self.config.algo, self.config.pipeline
         builder = ResultBuilder.for_shard(self.identity, shard)
         self._set_lr(step, builder, "actor")  # warm-up / schedule: a function of the step
         kl_loss = a.kl_coef > 0 and a.kl_in == "loss"
@@ -212,8 +159,14 @@ class PolicyWorker(TrainedWorker):
             out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"), mask,
                               clip_low=a.clip_low, clip_high=a.clip_high,
                               dual_clip=a.dual_clip)
-            loss = (out.per_token * w).sum()
+            per_token = out.per_token
             valid = mask.bool()
+            if q.correction != "none":  # chapter 6: reweight for the policy that sampled
+                iw = importance_weights(padded(mb, "old_logp"), padded(mb, "rollout_logp"),
+                                        mask, correction=q.correction, cap=q.is_cap)
+                per_token = per_token * iw.weights
+                b.metric("actor/is_capped_frac", iw.capped[valid].float(), "mean_tokens")
+            loss = (per_token * w).sum()
             b.metric("actor/pg_clipfrac", out.clipped[valid].float(), "mean_tokens")
             b.metric("actor/ppo_kl", (padded(mb, "old_logp") - logp.detach())[valid],
                      "mean_tokens")
@@ -235,8 +188,7 @@ class PolicyWorker(TrainedWorker):
     def sync_weights(self) -> SyncReport:
         """Actor shards -> this rank's engine (chapter 4), fingerprint-checked."""
         self.engine.wake()
-        sink = (self.engine.sink if self.config.rollout.engine == "vllm"
-                else TorchEngineSink(self.engine.model))
+        sink = engine_sink(self.engine, self.config)
         group = self.process_group if self.identity.world_size > 1 else None
         report = self.sync.run(fsdp.local_shards(self.model), sink, group, self.device)
         self.engine.sleep()
@@ -254,10 +206,6 @@ class PolicyWorker(TrainedWorker):
     def close(self) -> None:
         """Stop the rollout engine and leave the process group (all ranks at once)."""
         try:
-            close_engine = getattr(getattr(self, "engine", None), "close", None)
-            if callable(close_engine):
-                close_engine()
+            close_engine(getattr(self, "engine", None), self._engine_dir)
         finally:
-            if self._engine_dir is not None:
-                shutil.rmtree(self._engine_dir, ignore_errors=True)
             super().close()

@@ -2,17 +2,18 @@
 
 Read in this order:
 
-1.  config.py       `PPOConfig`: six frozen sections, every field documented and checked alone
-2.  validate.py     `validate`: every check that involves more than one field, in one place
-3.  overrides.py    ``section.field=value`` assignments (the command line's ``--set``)
-4.  presets.py      named configs (`tiny-ppo`, `tiny-grpo`, `small-cpu`, `qwen-gsm8k`)
-5.  field_help.py   every field's type, default and docstring (``--help-config``)
-6.  config_file.py  a config as a YAML/JSON file, out and back in (``--print-config``, ``--config``)
-7.  task.py         the `Task` contract: prompts, a verifiable reward, `check_reward`
-8.  digits.py       the built-in digit task a tiny model learns on a CPU
-9.  gsm8k.py        grade-school maths from a local GSM8K file, for real models
-10. catalog.py      `load_task`: a task by name or by ``package.module:factory``
-11. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
+1.  config.py       `PPOConfig`: seven frozen sections, every field documented and checked alone
+2.  pipeline.py     its `pipeline` section (chapter 6): sync, one-step-off or async, and K
+3.  validate.py     `validate`: every check that involves more than one field, in one place
+4.  overrides.py    ``section.field=value`` assignments (the command line's ``--set``)
+5.  presets.py      named configs (`tiny-ppo`, `tiny-grpo`, `small-cpu`, `qwen-gsm8k`)
+6.  field_help.py   every field's type, default and docstring (``--help-config``)
+7.  config_file.py  a config as a YAML/JSON file, out and back in (``--print-config``, ``--config``)
+8.  task.py         the `Task` contract: prompts, a verifiable reward, `check_reward`
+9.  digits.py       the built-in digit task a tiny model learns on a CPU
+10. gsm8k.py        grade-school maths from a local GSM8K file, for real models
+11. catalog.py      `load_task`: a task by name or by ``package.module:factory``
+12. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
 
 Pure: nothing here imports Ray, and nothing starts a process or loads a model.
 """

@@ -1,8 +1,9 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds six small sections. Every field has a docstring, a default that runs on
-a laptop, and a check in `__post_init__` that names the field and the allowed range, so a bad
-value fails when the config is made — before Ray starts or any worker loads a model.
+One `PPOConfig` holds seven small sections (the seventh, chapter 6's `pipeline`, is in
+`pipeline.py`). Every field has a docstring, a default that runs on a laptop, and a check in
+`__post_init__` that names the field and the allowed range, so a bad value fails when the
+config is made — before Ray starts or any worker loads a model.
 
 Two kinds of sizes, never mixed:
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from avrid.ppo.algo.losses import AggMode, KlKind
+from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
 from avrid.workers.placement import Strategy
 
@@ -338,9 +340,9 @@ class TrainConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlacementConfig:
-    """Where the roles run. Actor, reference and rollout always share processes (the hybrid
-    engine: no weight copy crosses a process); the critic shares their bundles or gets its
-    own."""
+    """Where the roles run. Actor and reference share processes, and in sync mode so does
+    the rollout engine (the hybrid engine: no weight copy crosses a process); the critic
+    shares their bundles or gets its own. (`pipeline.rollout_dp`: the rollout pool.)"""
 
     backend: Backend = "ray"
     """"ray" (one process per worker) or "inprocess" (threads; debugging, dp = 1 only)."""
@@ -387,6 +389,7 @@ class PPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         validate(self)  # the rules that tie fields of different sections together

@@ -8,6 +8,7 @@ rule, each error naming the field to change and what is allowed:
     algo       GRPO needs >= 2 responses per prompt; k1 cannot be the KL in the loss
     placement  an address needs the ray backend; in-process runs one rank per role; a
                colocated critic fits in the policy's bundles
+    pipeline   an in-process run has one rollout rank
     hardware   CUDA runs on ray; bf16 trains on ray; vLLM on CPU needs a head dim it supports
     sizes      a whole sequence (prompt cap + response budget) fits in one micro-batch
     task       a character tokenizer needs the task's alphabet
@@ -43,6 +44,7 @@ def validate(config: PPOConfig, task: Task | None = None) -> None:
     _algo(config)
     _placement(config)
     _hardware(config)
+    _pipeline(config)
     response = config.rollout.max_response_tokens or (task and task.max_response_tokens)
     if response:
         _fits_micro_batch(config, response)
@@ -76,6 +78,14 @@ def _placement(config: PPOConfig) -> None:
     need(not (config.algo.uses_critic and p.colocate_critic) or p.critic_dp <= p.actor_dp,
          "placement.critic_dp", f"a colocated critic uses the policy's {p.actor_dp} bundles, "
          f"so it needs critic_dp <= actor_dp, got {p.critic_dp}")
+
+
+def _pipeline(config: PPOConfig) -> None:
+    q, p = config.pipeline, config.placement
+    rollout_dp = q.rollout_dp or p.actor_dp
+    need(not q.disaggregated or p.backend != "inprocess" or rollout_dp == 1,
+         "pipeline.rollout_dp", f"the in-process backend runs each role as one thread; set "
+         f"pipeline.rollout_dp=1 or use backend='ray' (got {rollout_dp})")
 
 
 def _hardware(config: PPOConfig) -> None:

@@ -1,0 +1,305 @@
+"""Chapter 6 — `PipelinedTrainer`: chapter 5's step, with generation running ahead of it.
+
+The synchronous loop (`Trainer.train_step`) makes every device wait for the slowest phase:
+the trainer idles while the engines generate, the engines idle while the trainer trains.
+Here the engines live in a rollout pool of their own (`placement.py`) and the driver keeps
+them generating the NEXT batches while the trainer learns from the current one:
+
+    train_step(s)   take step s's batch from the queue (waiting for it if it is still being
+                    generated: the trainer's bubble, the phase "wait_rollout")
+                    pump: start the next admitted generation, so it overlaps what follows
+                    learn: chapter 5's phases from reward to actor_update, unchanged, with
+                    a pump at every phase boundary (a finished generation is collected and
+                    the next one started while the trainer is between calls)
+                    pump again: the trainer has a new version, so push it and start more
+
+    pump            with no generation in flight (a push never cancels one): if the engines
+                    are behind the trainer, push the trainer's weights (`transfer.py`,
+                    fingerprint-checked); then, if the gate admits the next step's batch
+                    (`staleness.py`: trainer version - engine version <= K, queue has room),
+                    start generating it — one `start_shards` call, collected later
+
+Every sample carries the version of the weights that made it (the rollout worker stamps it);
+the driver checks the stamp, computes each batch's staleness and refuses one above K. K = 0
+admits a batch only with the weights the synchronous loop would have used, so it reproduces
+the sync run exactly; one_step_off is K = 1; async lets generation run up to K versions
+ahead, and its versions then depend on timing (fast generation fills the queue early).
+
+Per step it adds `pipeline/` metrics: staleness (max, mean), the overlap of generation and
+training read from the timeline, the queue length, the weight version, and the importance
+weights pi_old / pi_rollout (`algo/off_policy.py`'s `weight_stats`).
+
+Not here: the learning itself (chapter 5's `Trainer.learn`), the admission rule
+(`staleness.py`), how weights cross pools (`transfer.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from avrid.dispatch import Batch
+from avrid.pipeline.learner import LearnerWorker
+from avrid.pipeline.overlap import overlap_fraction
+from avrid.pipeline.placement import pipeline_placement
+from avrid.pipeline.rollout import RolloutWorker
+from avrid.pipeline.staleness import Rollout, RolloutQueue, StalenessError, StalenessGate
+from avrid.pipeline.transfer import push_plan
+from avrid.ppo.algo.off_policy import importance_weights, weight_stats
+from avrid.ppo.data.columns import padded, response_mask, with_responses
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.setup.config import PPOConfig
+from avrid.reshard import check_same, combine
+from avrid.results import Merged, Phases, ShardCall, Span, Timeline, start_shards
+from avrid.workers import PlacementPlan, WorkerError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _InFlight:
+    """The one generation running in the rollout pool."""
+
+    step: int
+    version: int
+    prompts: Batch
+    call: ShardCall
+    launched: float
+
+
+class _TendingPhases(Phases):
+    """A step's phases that tend the pipeline at every phase boundary: between two calls of
+    the trainer, a finished generation is collected and the next admitted one started, so
+    the rollout pool is never left idle for a whole step."""
+
+    def __init__(self, tend: Callable[[], None]) -> None:
+        super().__init__()
+        self._tend = tend
+
+    def __call__(self, name: str) -> AbstractContextManager[None]:
+        self._tend()
+        return super().__call__(name)
+
+
+class PipelinedTrainer(Trainer):
+    """The one_step_off and async modes (`pipeline.mode`); use as a context manager, and
+    call `train_step` for consecutive steps, like `Trainer`."""
+
+    policy_worker = LearnerWorker
+    rollout_worker: type[RolloutWorker] = RolloutWorker
+    """The worker class of the "rollout" role."""
+
+    def __init__(self, config: PPOConfig) -> None:
+        if not config.pipeline.disaggregated:
+            raise ValueError("PipelinedTrainer runs pipeline.mode 'one_step_off' or 'async'; "
+                             "the synchronous loop is avrid.ppo's Trainer")
+        super().__init__(config)
+        k = config.pipeline.staleness_bound
+        self.gate = StalenessGate(max_staleness=k, capacity=max(1, k),
+                                  warmup_steps=config.train.critic_warmup_steps)
+        self.queue = RolloutQueue(self.gate.capacity)
+        self.trainer_version = 0
+        """Actor updates so far (the version a push sends)."""
+        self.rollout_version: int | None = None
+        """The version the rollout engines hold (None before the first push)."""
+        self.next_gen = 0
+        """The next step whose batch is to be generated."""
+        self._inflight: _InFlight | None = None
+        self._collected: list[Merged] = []  # generations finished during the current step
+        self._spans: list[Span] = []  # pushes made since the current step began
+        self._pushed_bytes: int | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def placement(self) -> PlacementPlan:
+        """Chapter 5's roles, with `LearnerWorker` as the policy, plus the rollout pool."""
+        return pipeline_placement(self.config, self.tokenizer,
+                                  max_response_tokens=self.max_response,
+                                  learner=self.policy_worker, rollout=self.rollout_worker)
+
+    def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
+              step: int = 0) -> None:
+        """Chapter 5's start, then the rollout pool: engines, the transfer group, and a first
+        checked push, so the engines hold the trained weights before anything is generated."""
+        super().start(weights, optimizers, step=step)
+        t = self.config.train
+        self.rollout = self.cluster.group("rollout", self.rollout_worker)
+        self.rollout.submit(self.rollout_worker.setup).result(t.setup_timeout_s)
+        shapes = self.policy.call_ranks([0], LearnerWorker.weight_shapes)[0]
+        self.push_plan = push_plan(shapes, trainers=self.policy.world_size,
+                                   rollouts=self.rollout.world_size,
+                                   engine_dtype=self.config.model.dtype)
+        address, port = self.policy.call_ranks([0], LearnerWorker.transfer_address)[0]
+        # Both pools join at once: the group forms only when all T + R processes are in.
+        joining = [self.policy.submit(LearnerWorker.join_transfer, address, port,
+                                      self.push_plan, t.call_timeout_s),
+                   self.rollout.submit(self.rollout_worker.join_transfer, address, port,
+                                       self.push_plan, t.call_timeout_s)]
+        for call in joining:
+            call.result(t.setup_timeout_s)
+        self.trainer_version = self.gate.version_at(step)
+        self.next_gen = step
+        self._push()
+
+    def generator(self):  # noqa: ANN201 - (WorkerGroup, method), as Trainer.generator
+        """The rollout pool generates (validation included)."""
+        return self.rollout, self.rollout_worker.generate
+
+    def close(self, *, failed: bool = False) -> None:
+        """Let a generation still in flight end (after a clean run there is none; a caller
+        that stopped early may leave one), stop the engines, then chapter 5's close."""
+        if self.cluster is not None and not failed:
+            timeout = self.config.train.call_timeout_s
+            if self._inflight is not None:
+                self._inflight.call.pending.result(timeout)
+                self._inflight = None
+            self.rollout.submit(self.rollout_worker.close).result(timeout)
+        super().close(failed=failed)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> tuple[dict[str, float], Batch]:
+        """Train on step `step`'s batch while the rollout pool generates ahead; returns the
+        step's metrics and its scored batch."""
+        phases = _TendingPhases(self._pump)
+        expected = self.gate.version_at(step)
+        if expected != self.trainer_version:
+            raise StalenessError(f"train_step({step}): the trainer is at version "
+                                 f"{self.trainer_version}, step {step} needs {expected}; "
+                                 f"steps must be consecutive")
+        with phases("wait_rollout"):  # the trainer's bubble: its batch is not ready yet
+            rollout = self._take(step)
+        self._pump()  # start the next batch now, so that it overlaps the learning below
+        version = self.trainer_version  # the version this step trains at
+        staleness = version - rollout.version
+        if not 0 <= staleness <= self.gate.max_staleness:
+            raise StalenessError(f"step {step}'s batch is {staleness} versions old; the "
+                                 f"bound is {self.gate.max_staleness}")
+        batch, merged = self.learn(step, rollout.batch, phases)
+        if self.updates_actor(step):
+            self.trainer_version += 1
+        self._pump()
+        metrics = self._metrics(batch, [rollout.generation, *merged], phases)
+        metrics.update(self._pipeline_metrics(batch, phases, version))
+        self.timeline = self._timeline(phases)
+        self._collected, self._spans = [], []
+        return metrics, batch
+
+    def validate(self) -> dict[str, float]:
+        """Chapter 5's validation, by the rollout pool, with the trainer's latest weights:
+        the generation in flight ends first (its batch is queued), then a push if needed."""
+        while self._inflight is not None:
+            self._collect()
+        if self.rollout_version != self.trainer_version:
+            self._push()
+        return super().validate()
+
+    # ---- the pipeline ----------------------------------------------------------------------
+
+    def _take(self, step: int) -> Rollout:
+        """Step `step`'s batch, generating or waiting for it as needed."""
+        while step not in self.queue:
+            if self._inflight is not None:
+                self._collect()  # blocks until the generation in flight ends
+                continue
+            self._pump()
+            if self._inflight is None:
+                raise StalenessError(f"step {step}'s batch is neither queued nor admitted "
+                                     f"(next to generate: step {self.next_gen})")
+        return self.queue.take(step)
+
+    def _pump(self) -> None:
+        """Collect a finished generation; with none in flight, bring the engines up to date
+        and start the next admitted batch. Never waits for a generation."""
+        if self._inflight is not None and self._inflight.call.done():
+            self._collect()
+        if (self._inflight is not None or self.next_gen >= self.config.train.steps
+                or not self.queue.has_room()):
+            return
+        if self.rollout_version != self.trainer_version:
+            self._push()
+        if self.gate.admits(step=self.next_gen, rollout_version=self.rollout_version,
+                            queued=len(self.queue)):
+            self._launch()
+
+    def _launch(self) -> None:
+        step = self.next_gen
+        prompts = self.step_prompts(step)
+        call = start_shards(self.rollout, self.rollout_worker.generate, prompts, None,
+                            **self.sampling(step))
+        self._inflight = _InFlight(step=step, version=self.rollout_version, prompts=prompts,
+                                   call=call, launched=time.time())
+        self.next_gen += 1
+
+    def _collect(self) -> None:
+        """Wait for the generation in flight; check its stamps and queue its batch."""
+        done, self._inflight = self._inflight, None
+        merged = done.call.result()
+        batch = with_responses(done.prompts, merged.batch)
+        stamps = batch.scalars["version"]
+        if len(batch) and not bool((stamps == done.version).all()):
+            raise StalenessError(f"step {done.step}'s samples carry weight versions "
+                                 f"{sorted(set(stamps.tolist()))}; the engines were sent "
+                                 f"version {done.version}")
+        self.queue.put(Rollout(step=done.step, version=done.version, batch=batch,
+                               generation=merged))
+        self._collected.append(merged)
+
+    def _push(self) -> None:
+        """The trainer's weights into every rollout engine, checked against the trainer's
+        fingerprints. Only with no generation in flight: a push never cancels one."""
+        if self._inflight is not None:
+            raise StalenessError("a weight push was started while a generation is in flight")
+        start, timeout = time.time(), self.config.train.call_timeout_s
+        sent = self.policy.submit(LearnerWorker.push_weights)
+        got = self.rollout.submit(self.rollout_worker.receive_weights, self.trainer_version)
+        try:
+            received = got.result(timeout)
+        except WorkerError:
+            if sent.done():  # a trainer rank that failed first is the cause: report it
+                sent.result(timeout)
+            raise
+        expected = combine(part[0] for part in sent.result(timeout))
+        for r in received:
+            check_same(expected, r.checksums, where=f"rollout engine of rollout rank {r.rank} "
+                                                    f"(weights version {r.version})")
+        self.rollout_version = self.trainer_version
+        self._pushed_bytes = max(r.bytes_received for r in received)
+        self._spans.append(Span(name="weight_push", start=start, end=time.time()))
+
+    # ---- what a step reports ---------------------------------------------------------------
+
+    def _pipeline_metrics(self, batch: Batch, phases: Phases,
+                          version: int) -> dict[str, float]:
+        stale = (version - batch.scalars["version"]).double()
+        mask = response_mask(batch)
+        q = self.config.pipeline
+        iw = importance_weights(padded(batch, "old_logp"), padded(batch, "rollout_logp"), mask,
+                                correction=q.correction, cap=q.is_cap)
+        out = {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,
+               "pipeline/staleness_mean": float(stale.mean()) if len(stale) else 0.0,
+               "pipeline/overlap": self._overlap(phases),
+               "pipeline/queue": float(len(self.queue)),
+               "pipeline/version": float(self.trainer_version)}
+        out.update({f"pipeline/{k}": v for k, v in weight_stats(iw, mask).items()})
+        if self._pushed_bytes is not None:
+            out["sync/bytes_per_rank"] = float(self._pushed_bytes)
+        for span in self._spans:
+            out["time/weight_push"] = out.get("time/weight_push", 0.0) + span.end - span.start
+        return out
+
+    def _overlap(self, phases: Phases) -> float:
+        """The share of this step in which rollout ranks generated while trainer ranks
+        computed; a generation still in flight counts from its launch until now."""
+        now = time.time()
+        gen = [(s.start, s.end) for m in self._collected for r in m.results for s in r.spans]
+        if self._inflight is not None:
+            gen.append((self._inflight.launched, now))
+        train = [(s.start, s.end) for m in phases.merged for r in m.results for s in r.spans]
+        return overlap_fraction(gen, train, (phases.start, now))
+
+    def _timeline(self, phases: Phases) -> Timeline:
+        results = [r for m in [*phases.merged, *self._collected] for r in m.results]
+        driver = [*phases.spans, *self._spans,
+                  *(s for m in [*phases.merged, *self._collected] for s in m.driver_spans)]
+        return Timeline.from_results(results, driver_spans=driver)

@@ -1,0 +1,128 @@
+"""Chapter 6 — `RolloutWorker`: a rollout engine in a pool of its own, stamping its version.
+
+Each rollout rank holds one whole engine (chapter 5's `TorchEngine` or `VllmEngine`, built by
+the same `generation.build_engine`) in its own bundle — on GPU its own GPU — and does two
+things, never at the same time:
+
+    generate         one response per prompt of its shard, like the policy's hybrid engine
+                     (`generation.generate_shard`: same seeds, same samples), each sample
+                     stamped with the scalar "version": the weights it was generated with
+    receive_weights  take the trainer's weights (chapter 4's plan, `transfer.py`), load them
+                     into the engine and report the engine's fingerprints and new version
+
+The version is the worker's own record of what it holds, set only by `receive_weights`, so
+a batch cannot claim weights its engine never had; the driver checks the stamp against the
+version it pushed.
+
+Not here: deciding when to generate or receive (the driver, `driver.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from avrid.dispatch import Shard
+from avrid.pipeline.transfer import engine_layout, join_group, receive_full
+from avrid.ppo.engines.models import initial_policy
+from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
+from avrid.ppo.setup.config import PPOConfig
+from avrid.reshard import TransferPlan
+from avrid.reshard.engines import WeightSink
+from avrid.results import WorkerResult
+from avrid.workers import Worker, WorkerIdentity
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Received:
+    """What one rollout rank reports after a weight push."""
+
+    rank: int
+    version: int
+    """The version the engine now holds."""
+    checksums: dict[str, int]
+    """Whole-tensor fingerprints of what the engine holds now."""
+    bytes_received: int
+    start: float
+    end: float
+
+
+class RolloutWorker(Worker):
+    """One rollout rank: an engine, its weight version, and the transfer group."""
+
+    def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
+                 eos_id: int, pad_id: int, stop_ids: tuple[int, ...] = (),
+                 max_response_tokens: int) -> None:
+        super().__init__(identity)
+        self.config, self.vocab_size, self.pad_id, self.eos_id = config, vocab_size, pad_id, eos_id
+        self.stop_ids = tuple(dict.fromkeys((eos_id, *stop_ids)))
+        self.max_response = max_response_tokens
+        self.device = config.placement.device
+        self.version: int | None = None  # no trained weights yet (None: never pushed)
+        self._transfer: dist.ProcessGroup | None = None
+        self._plan: TransferPlan | None = None
+        self._engine_dir: str | None = None
+        torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
+
+    def setup(self) -> None:
+        """Build the engine. Its weights are the step-0 model's (torch) or random (vLLM's
+        dummy load) until the first `receive_weights`, and nothing is generated before."""
+        model = initial_policy(self.config, vocab_size=self.vocab_size, eos_id=self.eos_id,
+                               pad_id=self.pad_id).to(self.device)
+        self.engine, self._engine_dir = build_engine(
+            self.config, model, rank=self.identity.rank, pad_id=self.pad_id,
+            max_response=self.max_response)
+
+    def join_transfer(self, address: str, port: int, plan: TransferPlan,
+                      timeout_s: float) -> None:
+        """Join the trainer + rollout group as process T + rank (`transfer.py`)."""
+        world = plan.source_world + plan.target_world
+        self._transfer = join_group(address, port, rank=plan.source_world + self.identity.rank,
+                                    world_size=world, device=self.device, timeout_s=timeout_s)
+        self._plan = plan
+
+    def receive_weights(self, version: int) -> Received:
+        """Receive the trainer's weights of `version`, load them and fingerprint the engine;
+        every trainer and rollout rank at once."""
+        if self._transfer is None or self._plan is None:
+            raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
+                               f"receive_weights()")
+        start = time.time()
+        full = receive_full(self._plan, self.identity.rank, self._transfer, self.device)
+        self.engine.wake()
+        sink = engine_sink(self.engine, self.config)
+        self._load(sink, full)
+        sums = sink.checksums(engine_layout(self._plan), 0)  # what the engine now holds
+        self.engine.sleep()
+        self.version = version
+        moved = sum(t.nbytes for b in self._plan.buckets for t in b.transfers
+                    if t.dst_rank == self.identity.rank)
+        return Received(rank=self.identity.rank, version=version, checksums=sums,
+                        bytes_received=moved, start=start, end=time.time())
+
+    def _load(self, sink: WeightSink, full: dict[str, torch.Tensor]) -> None:
+        """Load the received tensors into the engine (a test overrides this to corrupt one)."""
+        sink.load(full)
+        sink.finish()
+
+    def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
+                 seed: int) -> WorkerResult:
+        """Sample one response per prompt of the shard (`generation.generate_shard`), each
+        sample stamped with the scalar "version" of the weights that made it."""
+        if self.version is None:
+            raise RuntimeError(f"{self.identity.name}: no weights received yet; the driver "
+                               f"pushes them before the first generation")
+        if max_new_tokens > self.max_response:  # the engine's context was sized for that
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response "
+                             f"budget of {self.max_response} tokens")
+        return generate_shard(self.engine, shard, self.identity, self.config,
+                              stop_ids=self.stop_ids, max_new_tokens=max_new_tokens,
+                              greedy=greedy, seed=seed, scalars={"version": self.version})
+
+    def close(self) -> None:
+        """Stop the engine and remove its scratch directory."""
+        close_engine(getattr(self, "engine", None), self._engine_dir)
+        self._transfer = None

@@ -1,0 +1,62 @@
+"""Chapter 3 — the phases of one driver step, timed, with every worker result they made.
+
+A driver step is a sequence of named phases (generate, reward, ...), each one or more
+`run_shards` calls. `Phases` times each phase as a driver span, keeps the calls' merged
+results, and turns them into the step's timing metrics (`times`: the phases, the step, the
+workers' compute on the critical path and the rest: overhead) and its `Timeline`.
+
+    phases = Phases()
+    with phases("generate"):
+        gen = phases.add(run_shards(policy, PolicyWorker.generate, prompts))
+    phases.times()["time/generate"], phases.timeline().to_chrome_trace("step.json")
+
+Not here: what a phase does (the trainer decides), and drawing (`timeline.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+
+from avrid.results.merge import Merged
+from avrid.results.result import Span, timed
+from avrid.results.timeline import Timeline
+
+
+class Phases:
+    """Times the named phases of one step and keeps every worker result for the timeline."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.spans: list[Span] = []
+        self.merged: list[Merged] = []
+
+    def __call__(self, name: str) -> AbstractContextManager[None]:
+        """Time the phase `name` (a driver span on the timeline)."""
+        return timed(self.spans, name)
+
+    def add(self, merged: Merged) -> Merged:
+        """Keep a call's results for the timing and the timeline; returns it unchanged."""
+        self.merged.append(merged)
+        return merged
+
+    def times(self) -> dict[str, float]:
+        """time/<phase> seconds, time/step, and the share of the step that workers did not
+        spend computing (driver, dispatch, merge, transport, waiting): time/overhead."""
+        out = {f"time/{s.name}": s.end - s.start for s in self.spans}
+        out["time/step"] = time.time() - self.start
+        busy = 0.0
+        for m in self.merged:  # per call: the busiest rank's compute is the critical path
+            per_rank: dict[str, float] = {}
+            for r in m.results:
+                per_rank[r.identity.name] = sum(s.end - s.start for s in r.spans)
+            busy += max(per_rank.values(), default=0.0)
+        out["time/compute"] = busy
+        out["time/overhead"] = max(0.0, 1.0 - busy / out["time/step"])
+        return out
+
+    def timeline(self) -> Timeline:
+        """The step's spans — every worker's and the driver's (phases, plan/send/wait/merge)."""
+        results = [r for m in self.merged for r in m.results]
+        driver = self.spans + [s for m in self.merged for s in m.driver_spans]
+        return Timeline.from_results(results, driver_spans=driver)

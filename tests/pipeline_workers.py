@@ -1,0 +1,49 @@
+"""Rollout workers that fail on purpose, for chapter 6's failure tests (a module of their own
+so that Ray workers can import them by name, and `tests.helpers` stays torch-free)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from avrid.dispatch import Shard
+from avrid.pipeline.rollout import RolloutWorker
+from avrid.reshard.engines import WeightSink
+from avrid.results import WorkerResult
+
+
+class RaisingRollout(RolloutWorker):
+    """Raises in its third generate call (validation is the first) on rank 0."""
+
+    calls = 0
+
+    def generate(self, shard: Shard, **kwargs: object) -> WorkerResult:
+        self.calls += 1  # an instance count (the class attribute is only its start)
+        if self.identity.rank == 0 and self.calls == 3:
+            raise RuntimeError("injected rollout failure")
+        return super().generate(shard, **kwargs)
+
+
+class DyingRollout(RolloutWorker):
+    """Its process dies in its third generate call on the last rank (Ray only)."""
+
+    calls = 0
+
+    def generate(self, shard: Shard, **kwargs: object) -> WorkerResult:
+        self.calls += 1
+        if self.identity.rank == self.identity.world_size - 1 and self.calls == 3:
+            os._exit(1)
+        return super().generate(shard, **kwargs)
+
+
+class CorruptingRollout(RolloutWorker):
+    """From the second push on, loads one element wrong (a stale or half-written engine): the
+    driver's fingerprint check must stop the run naming this rank."""
+
+    def _load(self, sink: WeightSink, full: dict[str, torch.Tensor]) -> None:
+        if self.version is not None:  # the first push (version 0) loads cleanly
+            name = next(iter(full))
+            full = {**full, name: full[name].clone()}
+            full[name].view(-1)[0] += 1.0
+        super()._load(sink, full)
