@@ -51,6 +51,7 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch03_results", "canonical results, exact metric merge, the worker timeline"),
     ("ch04_resharding", "resharding: FSDP shards to TP slices, minimum bytes, fingerprints"),
     ("ch05_ppo", "the PPO/GRPO loop: roles, RL math, rollouts, weight sync, checkpoints"),
+    ("ch06_async", "asynchronous RL: one-step-off, bounded staleness, off-policy correction"),
 )
 
 

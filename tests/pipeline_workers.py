@@ -1,5 +1,6 @@
-"""Rollout workers that fail on purpose, for chapter 6's failure tests (a module of their own
-so that Ray workers can import them by name, and `tests.helpers` stays torch-free)."""
+"""Rollout and learner workers that fail on purpose, for chapter 6's failure tests (a module
+of their own so that Ray workers can import them by name, and `tests.helpers` stays
+torch-free)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import torch
 
 from avrid.dispatch import Shard
+from avrid.pipeline.learner import LearnerWorker
 from avrid.pipeline.rollout import RolloutWorker
 from avrid.reshard.engines import WeightSink
-from avrid.results import WorkerResult
+from avrid.results import ResultBuilder, WorkerResult
 
 
 class RaisingRollout(RolloutWorker):
@@ -47,3 +49,12 @@ class CorruptingRollout(RolloutWorker):
             full = {**full, name: full[name].clone()}
             full[name].view(-1)[0] += 1.0
         super()._load(sink, full)
+
+
+class RaisingLearner(LearnerWorker):
+    """Raises inside its update of step 1 (while the rollout pool generates step 2)."""
+
+    def _set_lr(self, step: int, builder: ResultBuilder, prefix: str) -> None:
+        if step == 1:
+            raise RuntimeError("injected learner failure")
+        super()._set_lr(step, builder, prefix)

@@ -18,7 +18,8 @@ DEMO_SAYS = {"ch01_workers": "same all-reduce results: true",
              "ch02_dispatch": "all checks passed",
              "ch03_results": "all checks passed",
              "ch04_resharding": "all checks passed",
-             "ch05_ppo": "all checks passed"}
+             "ch05_ppo": "all checks passed",
+             "ch06_async": "all checks passed"}
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 TEXT_ONLY = {"01_workers"}
 """Notebooks that draw nothing (chapter 1's story is identities, meshes and placement, told

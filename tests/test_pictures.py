@@ -187,3 +187,26 @@ def test_chapter4_draws_who_sends_what_next_to_the_all_gather(tmp_path: Path) ->
     path = save_transfer_figure(plan, tmp_path / "ch04" / "transfer.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert [p.name for p in path.parent.iterdir()] == ["transfer.png"]  # atomic: no temp left
+
+
+def test_chapter6_stacks_timelines_on_one_time_scale(tmp_path: Path) -> None:
+    from chapters.ch06_async.figure import save_timelines_figure, timelines_figure
+
+    sync = Timeline.from_results(
+        [worker("policy", 0, ("generate", 0, 2), ("forward_backward", 2, 4))],
+        driver_spans=spans(("generate", 0, 2), ("plan", 0, 0.1), ("actor_update", 2, 4)))
+    off = Timeline.from_results(
+        [worker("policy", 0, ("forward_backward", 0, 2)), worker("rollout", 0, ("generate", 0, 2))],
+        driver_spans=spans(("actor_update", 0, 2), ("weight_push", 2, 2.2)))
+    fig = timelines_figure({"sync": sync, "one_step_off": off})
+    top, bottom = fig.axes[:2]
+    assert [t.get_text() for t in top.get_yticklabels()] == ["driver (phases)", "policy[0]"]
+    assert [t.get_text() for t in bottom.get_yticklabels()] == [
+        "driver (phases)", "policy[0]", "rollout[0]"]
+    assert top.get_xlim() == bottom.get_xlim() == (0.0, 4.0)  # one scale: the longer one
+    # The driver row shows phases only (no plan/send/wait/merge), each in its own colour.
+    drawn = {to_hex(p.get_facecolor()) for p in bottom.patches}
+    assert {span_color("weight_push"), span_color("generate")} <= drawn
+    assert span_color("plan") not in {to_hex(p.get_facecolor()) for p in top.patches}
+    path = save_timelines_figure({"a": sync, "b": off}, tmp_path / "t.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"

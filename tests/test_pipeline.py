@@ -25,7 +25,12 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.reshard import StaleWeightsError
 from avrid.workers import WorkerError
-from tests.pipeline_workers import CorruptingRollout, DyingRollout, RaisingRollout
+from tests.pipeline_workers import (
+    CorruptingRollout,
+    DyingRollout,
+    RaisingLearner,
+    RaisingRollout,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = ("time/", "perf/", "sync/", "pipeline/")
@@ -221,6 +226,17 @@ def test_a_failing_rollout_worker_stops_the_run_naming_it(rollout_cls: type, mat
     with pytest.raises(WorkerError, match=match):
         run_steps(cfg, _trainer_with(rollout_cls))
     assert time.monotonic() - start < 60  # bounded: start-up and two steps, then the error
+
+
+def test_a_failing_learner_stops_the_run_while_a_generation_is_in_flight(
+        ray_cluster: None) -> None:
+    cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=4)
+    trainer_cls = type("WithRaisingLearner", (PipelinedTrainer,),
+                       {"policy_worker": RaisingLearner})
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"(?s)policy\[\d\]\.update\(\).*injected learner"):
+        run_steps(cfg, trainer_cls)
+    assert time.monotonic() - start < 60
 
 
 def test_a_rollout_engine_that_loads_wrong_weights_is_named(ray_cluster: None) -> None:

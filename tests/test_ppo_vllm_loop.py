@@ -55,3 +55,22 @@ def test_a_resumed_vllm_run_generates_with_the_resumed_weights(tmp_path: Path) -
     step1 = [{k: v for k, v in r.items() if not k.startswith("val/")}
              for r in (algorithmic(resumed.rows)[1], algorithmic(full.rows)[1])]
     assert step1[0] == step1[1]
+
+
+def test_vllm_in_a_rollout_pool_k0_is_the_hybrid_run_and_one_step_off_is_one_stale(
+        tmp_path: Path) -> None:
+    """Chapter 6 with the real engine: two rollout workers, each its own vLLM, fed by pushes
+    across pools (chapter 4's plan, fingerprints checked on the driver). K = 0 reproduces the
+    hybrid-engine run metric for metric; one-step-off is one version stale after step 1."""
+    from avrid.pipeline import train as pipeline_train
+
+    hybrid = train(tiny_vllm(tmp_path / "hybrid"))
+    k0 = pipeline_train(tiny_vllm(tmp_path / "k0", "pipeline.mode=async",
+                                  "pipeline.max_staleness=0"))
+    pipelined = ("pipeline/", "sync/")  # the pipeline's own metrics, a push's bytes
+    assert ([{k: v for k, v in r.items() if not k.startswith(pipelined)}
+             for r in algorithmic(k0.rows)] == algorithmic(hybrid.rows))
+    off = pipeline_train(tiny_vllm(tmp_path / "off", "pipeline.mode=one_step_off"))
+    steps = off.rows[1:]
+    assert [r["pipeline/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert all(r["sync/bytes_per_rank"] > 0 for r in steps)

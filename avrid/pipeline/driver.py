@@ -274,18 +274,21 @@ class PipelinedTrainer(Trainer):
         stale = (version - batch.scalars["version"]).double()
         mask = response_mask(batch)
         q = self.config.pipeline
+        # With no correction the weights are 1, but the ratios still say how off-policy the
+        # batch is: report them (and how many exceed the cap) as truncated IS would see them.
+        shown = "tis" if q.correction == "none" else q.correction
         iw = importance_weights(padded(batch, "old_logp"), padded(batch, "rollout_logp"), mask,
-                                correction=q.correction, cap=q.is_cap)
+                                correction=shown, cap=q.is_cap)
         out = {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,
                "pipeline/staleness_mean": float(stale.mean()) if len(stale) else 0.0,
                "pipeline/overlap": self._overlap(phases),
                "pipeline/queue": float(len(self.queue)),
                "pipeline/version": float(self.trainer_version)}
         out.update({f"pipeline/{k}": v for k, v in weight_stats(iw, mask).items()})
-        if self._pushed_bytes is not None:
-            out["sync/bytes_per_rank"] = float(self._pushed_bytes)
-        for span in self._spans:
-            out["time/weight_push"] = out.get("time/weight_push", 0.0) + span.end - span.start
+        # Every step reports the same keys: 0 when no push fell in this step.
+        pushes = [s for s in self._spans if s.name == "weight_push"]
+        out["sync/bytes_per_rank"] = float(self._pushed_bytes) if pushes else 0.0
+        out["time/weight_push"] = sum(s.end - s.start for s in pushes)
         return out
 
     def _overlap(self, phases: Phases) -> float:

@@ -57,6 +57,9 @@ SPAN_COLORS: Mapping[str, str] = MappingProxyType({
     "critic_update": "#e377c2",     # 12 pink
     "actor_update": "#d62728",      # 6  red
     "weight_sync": "#17becf",       # 18 cyan
+    # chapter 6's: the trainer waiting for its batch, and the push to the rollout pool
+    "wait_rollout": "#c7c7c7",      # 15 light grey: the trainer idle, waiting
+    "weight_push": "#6baed6",       # tab20c 2: a blue beside weight_sync's cyan
     # worker spans
     "forward": "#9edae5",           # 19 light cyan
     "forward_backward": "#ff9896",  # 7  light red

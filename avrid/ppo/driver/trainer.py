@@ -14,6 +14,10 @@ sequence of named, timed phases, each one dispatch (chapter 2) and one canonical
     actor_update   mini-batches of the clipped policy loss
     weight_sync    actor shards -> each rank's rollout engine (chapter 4), checked
 
+`train_step` is generate, then `learn` (reward to actor_update), then weight_sync: chapter
+6's `PipelinedTrainer` reuses `learn` unchanged and replaces the two ends (generation by a
+rollout pool running ahead, the sync by a push across pools).
+
 Around it: validation on held-out prompts, metrics as JSON lines, rollout samples, atomic
 checkpoints with exact resume, plots at the end (`run.py` wires those to the command line).
 Everything random derives from (seed, step), so the same seed gives the same metrics and a

@@ -11,6 +11,8 @@ with ``--preset`` and changes single fields with ``--set section.field=value``.
   policy rank, weights synced and fingerprint-checked every step: the GPU path, on CPU.
 - `small_cpu`: a wider model and bigger batches, where model compute dominates the step —
   what `benchmarks/bench_ppo.py` measures orchestration overhead against.
+- `pipeline_cpu`: one rank per role and a workload whose generation and training take about
+  the same time — chapter 6's demo and `benchmarks/bench_pipeline.py` overlap the two.
 - `qwen_gsm8k`: Qwen2.5-0.5B-Instruct from a local directory on GSM8K from a local file, vLLM
   rollouts on one GPU.
 """
@@ -90,6 +92,23 @@ def small_cpu() -> PPOConfig:
     )
 
 
+def pipeline_cpu() -> PPOConfig:
+    """Chapter 6's workload: generation and training of a step take about the same time on
+    one CPU core each, so that overlapping them (``pipeline.mode=one_step_off``) can at best
+    halve the step. One rank per role (the trainer on one core, in one_step_off the rollout
+    worker on the other); 6-digit reversal gives 7-token responses, long enough for
+    token-by-token generation to weigh as much as the forward and backward passes."""
+    return PPOConfig(
+        model=ModelConfig(hidden_size=128, num_layers=2, num_heads=4),
+        task=TaskConfig(name="digits", options={"op": "reverse", "length": 6}),
+        algo=AlgoConfig(name="ppo", responses_per_prompt=8),
+        train=TrainConfig(steps=8, prompts_per_step=16, mini_batch_size=128,
+                          val_every=1000, val_prompts=16, out_dir="runs/pipeline_cpu",
+                          progress=False),
+        placement=PlacementConfig(backend="ray", actor_dp=1, critic_dp=1),
+    )
+
+
 def qwen_gsm8k() -> PPOConfig:
     """GRPO on GSM8K with Qwen2.5-0.5B-Instruct and vLLM on one GPU, all from local paths.
 
@@ -118,6 +137,7 @@ PRESETS: dict[str, Callable[[], PPOConfig]] = {
     "tiny-grpo": tiny_grpo,
     "tiny-ppo-vllm": tiny_ppo_vllm,
     "small-cpu": small_cpu,
+    "pipeline-cpu": pipeline_cpu,
     "qwen-gsm8k": qwen_gsm8k,
 }
 """Preset name (as given to ``--preset``) -> the function that builds it."""
