@@ -1,7 +1,8 @@
 """avrid — single-controller orchestration for RL post-training of LLMs, in six layers.
 
 workers (ch01) < dispatch (ch02) < results (ch03) < reshard (ch04) < ppo (ch05) < pipeline
-(ch06); each layer imports only the layers below it (an import-linter contract in the test suite checks this).
+(ch06); each layer imports only the layers below it (an import-linter contract in the test
+suite checks this).
 Import the layer you need, e.g. ``from avrid.workers import RayBackend``.
 """
 

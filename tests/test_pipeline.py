@@ -105,6 +105,20 @@ def test_k0_is_the_sync_run_bit_for_bit_on_ray_over_two_pools(ray_cluster: None)
 
 # ---- one-step-off and async ------------------------------------------------------------------
 
+def test_one_step_off_with_weights_that_never_move_is_the_sync_run() -> None:
+    # A learning rate of 1e-30 leaves every fp32 weight unchanged, so version s - 1 holds
+    # exactly the weights of version s: staleness then changes nothing, and any difference
+    # would be the pipeline's own (a prompt paired with another step's responses, a wrong
+    # seed, a sample lost or repeated).
+    frozen = ("train.actor_lr=1e-30", "train.critic_lr=1e-30")
+    sync_rows, sync_w, _ = run_steps(config(*frozen))
+    off_rows, off_w, _ = run_steps(config(*frozen, "pipeline.mode=one_step_off",
+                                          "pipeline.rollout_dp=1"))
+    assert algorithmic(off_rows) == algorithmic(sync_rows)
+    assert same_weights(off_w, sync_w)
+    assert [r["pipeline/staleness_max"] for r in off_rows[1:-1]] == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_one_step_off_is_stale_by_exactly_one_after_the_first_batch() -> None:
     rows, _, tr = run_steps(config("pipeline.mode=one_step_off", "pipeline.rollout_dp=1",
                                    steps=5))

@@ -2,6 +2,7 @@
 
 - one GPU: the tiny PPO run with the torch engine on CUDA, one rank per role;
 - two GPUs: the same with the actor and the critic FSDP2-sharded over dp = 2, over NCCL;
+  and chapter 6's one-step-off with the rollout worker on the second GPU (NCCL push);
 - one GPU + vllm: a short GSM8K GRPO run served by vLLM, with a tiny random Qwen2 and a tiny
   word-level tokenizer written into tmp_path in code (no download); the same run on vLLM's
   CPU build (marked vllm only) runs in the vllm tier here;
@@ -69,6 +70,23 @@ def test_tiny_ppo_step_on_one_gpu(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_tiny_ppo_step_fsdp2_over_two_gpus_with_nccl(tmp_path: Path) -> None:
     check_tiny_cuda_run(tmp_path / "run", dp=2)
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.timeout(600)
+def test_one_step_off_pushes_over_nccl_to_a_rollout_gpu(tmp_path: Path) -> None:
+    """Chapter 6 on GPUs: the trainer on one GPU, a rollout worker on another, weights
+    pushed between them over NCCL (a group of their own) and fingerprint-checked."""
+    from avrid.pipeline import train as pipeline_train
+
+    out = tmp_path / "run"
+    config = with_overrides(preset("tiny-ppo"), [
+        *TINY_CUDA, "train.steps=3", "placement.actor_dp=1", "placement.critic_dp=1",
+        "pipeline.mode=one_step_off", f"train.out_dir={out}"])
+    pipeline_train(config)
+    steps = metric_lines(out)[1:]
+    assert [r["pipeline/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert all(r["sync/bytes_per_rank"] > 0 for r in steps)
 
 
 # --- GSM8K GRPO with vLLM, on a tiny model and tokenizer written in code ---

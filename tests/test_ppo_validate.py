@@ -7,6 +7,7 @@ rule runs when the whole `PPOConfig` is made, or with the task when the trainer 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,22 @@ def test_a_ten_million_prompt_task_starts_without_listing_its_prompts(tmp_path: 
     assert batch.prompt_lens.tolist() == [8] * 8  # 7 digits and "="
     text = trainer.train_set.prompts[indices[0]].text
     assert list(trainer.train_set.token_ids(indices[0])) == trainer.tokenizer.encode(text)
+
+
+def test_the_reward_worker_scores_a_hundred_million_prompt_task_without_listing_it() -> None:
+    """The reward worker reads the task's splits by index, as the trainer does: building it
+    for 8-digit strings (10**8 prompts) must not list them (it once took 15 GB and minutes)."""
+    from avrid.ppo.roles.reward import RewardWorker
+    from avrid.workers import WorkerIdentity
+
+    started = time.monotonic()
+    worker = RewardWorker(WorkerIdentity(role="reward", rank=0, world_size=1),
+                          task_name="digits", task_options={"op": "reverse", "length": 8},
+                          task_path=None, tokenizer=CharTokenizer("0123456789="))
+    assert time.monotonic() - started < 5
+    assert len(worker.splits[0]) > 9 * 10**7
+    prompt = worker.splits[0][len(worker.splits[0]) - 1]  # the last one, computed
+    assert len(prompt.text) == 9 and prompt.answer == prompt.text[:8][::-1]
 
 
 def test_a_too_long_training_prompt_fails_when_read_naming_it() -> None:

@@ -115,11 +115,9 @@ class RolloutWorker(Worker):
         if self.version is None:
             raise RuntimeError(f"{self.identity.name}: no weights received yet; the driver "
                                f"pushes them before the first generation")
-        if max_new_tokens > self.max_response:  # the engine's context was sized for that
-            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response "
-                             f"budget of {self.max_response} tokens")
         return generate_shard(self.engine, shard, self.identity, self.config,
-                              stop_ids=self.stop_ids, max_new_tokens=max_new_tokens,
+                              stop_ids=self.stop_ids, max_response=self.max_response,
+                              max_new_tokens=max_new_tokens,
                               greedy=greedy, seed=seed, scalars={"version": self.version})
 
     def close(self) -> None:

@@ -74,13 +74,18 @@ def engine_sink(engine: Any, config: PPOConfig) -> WeightSink:
 
 
 def generate_shard(engine: Any, shard: Shard, identity: WorkerIdentity, config: PPOConfig, *,
-                   stop_ids: tuple[int, ...], max_new_tokens: int, greedy: bool, seed: int,
+                   stop_ids: tuple[int, ...], max_response: int, max_new_tokens: int,
+                   greedy: bool, seed: int,
                    scalars: dict[str, int] | None = None) -> WorkerResult:
     """Sample one response per prompt of the shard (the rows' "tokens" are prompts).
     Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs), the
     per-sample scalar "truncated" (1 where the response hit `max_new_tokens` without a stop
     token: finish reason "length") and each of `scalars` (a constant stamped on every
-    sample, e.g. chapter 6's weight "version")."""
+    sample, e.g. chapter 6's weight "version"). `max_response` is the budget the engine's
+    context was sized for: a larger `max_new_tokens` is refused."""
+    if max_new_tokens > max_response:
+        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response budget "
+                         f"of {max_response} tokens")
     builder = ResultBuilder.for_shard(identity, shard)
     batch = shard.batch
     prompts = [batch.packed["tokens"].row(i).tolist() for i in range(len(batch))]

@@ -113,11 +113,9 @@ class PolicyWorker(TrainedWorker):
         if self.engine is None:
             raise RuntimeError(f"{self.identity.name} has no rollout engine: with pipeline."
                                f"mode={self.config.pipeline.mode!r} the rollout pool generates")
-        if max_new_tokens > self.max_response:  # the engine's context was sized for that
-            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response "
-                             f"budget of {self.max_response} tokens")
         return generate_shard(self.engine, shard, self.identity, self.config,
-                              stop_ids=self.stop_ids, max_new_tokens=max_new_tokens,
+                              stop_ids=self.stop_ids, max_response=self.max_response,
+                              max_new_tokens=max_new_tokens,
                               greedy=greedy, seed=seed)
 
     # ---- log-probs -------------------------------------------------------------------------

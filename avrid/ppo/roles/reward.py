@@ -12,6 +12,8 @@ driver; here one CPU worker suffices, but the dispatch is the same for many.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from avrid.dispatch import Shard
@@ -34,8 +36,10 @@ class RewardWorker(Worker):
         # Loaded here, in the worker's process: a custom task's module must be importable
         # on every machine, which is checked the moment the cluster starts.
         self.task: Task = load_task(task_name, **kwargs)
-        self.splits: tuple[list[Prompt], list[Prompt]] = (
-            list(self.task.train_prompts()), list(self.task.val_prompts()))
+        # The splits as the task gives them (sequences, read by index): never listed, since
+        # a split may be computed rather than stored (8-digit strings: 10**8 prompts).
+        self.splits: tuple[Sequence[Prompt], Sequence[Prompt]] = (
+            self.task.train_prompts(), self.task.val_prompts())
         self.tokenizer = tokenizer
 
     def score(self, shard: Shard) -> WorkerResult:
