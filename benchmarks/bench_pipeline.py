@@ -1,9 +1,9 @@
 """Benchmark — what overlapping generation with training buys: sync vs one-step-off vs async.
 
-What is measured: whole training steps of the `pipeline-cpu` preset (PPO, one rank per role
-on Ray: the trainer's policy and critic on one CPU core, the rollout on the other; a step
-whose generation and training take about the same time) in three modes, interleaved round
-by round so that the machine's drift hits all three alike:
+What is measured: whole training steps of the `pipeline-cpu` preset (GRPO, one rank per role
+on Ray: the trainer's policy rank on one CPU core, in the pipelined modes the rollout worker
+on the other; a step whose generation and training take about the same time) in three
+modes, interleaved round by round so that the machine's drift hits all three alike:
 
     sync          chapter 5's loop: generate, then reward ... actor_update, then weight sync
     one_step_off  chapter 6, K = 1: the rollout worker generates step k+1 while the trainer

@@ -67,7 +67,7 @@ def check(label: str, ok: bool) -> bool:
 
 
 def main() -> int:
-    print("1. the workload: preset pipeline-cpu (PPO, one rank per role, 6-digit reversal)")
+    print("1. the workload: preset pipeline-cpu (GRPO, one rank per role, 64-token responses)")
     print("\n2. synchronous (chapter 5): generate, then train, then sync")
     sync, sync_tl, sync_start = run("sync")
     print("\n3. one-step-off (chapter 6): generate step k+1 while training step k")
