@@ -150,3 +150,19 @@ def test_sequential_in_process_backend_runs_in_the_callers_thread() -> None:
         # a breakpoint() in a worker method lands in this very thread
         assert cluster.group("a", EchoWorker).call(EchoWorker.whoami)[0].role == "a"
         assert threading.current_thread().name == main
+
+
+def test_rendezvous_ports_come_from_below_the_ephemeral_range() -> None:
+    # A port picked now is bound seconds later by rank 0's TCP store; from the ephemeral
+    # range the kernel could meanwhile give it to an outgoing connection (EADDRINUSE).
+    import socket
+
+    from avrid.workers.outcome import ephemeral_ports, free_port
+
+    low, high = ephemeral_ports()
+    assert 0 < low < high
+    ports = [free_port() for _ in range(20)]
+    if low - 20000 >= 1000:  # else it falls back to any free port
+        assert all(20000 <= p < low for p in ports)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", ports[0]))  # still free

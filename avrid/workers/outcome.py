@@ -6,15 +6,18 @@ rank can be reported the same way whichever backend ran it: one `WorkerError` na
 method and the remote traceback (`check_outcome`). The Ray backend gets the same
 information from Ray's own error types and builds the same `WorkerError` (`ray_backend.py`).
 
-Also `free_port`, used to pick a rendezvous port. Nothing here imports Ray or torch.
+Also `free_port`, used to pick a rendezvous port (below the ephemeral range: see there).
+Nothing here imports Ray or torch.
 """
 
 from __future__ import annotations
 
+import random
 import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from avrid.workers.errors import WorkerError
@@ -48,7 +51,39 @@ def check_outcome(value: Any, identity: WorkerIdentity, method: str) -> Any:
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on this machine (bind to port 0 and release)."""
+    """A TCP port that was free a moment ago on this machine, picked at random BELOW the
+    kernel's ephemeral range (`ephemeral_ports`; Linux's default is 32768-60999).
+
+    Why below: the port is bound later — by rank 0's TCP store, seconds after it is picked,
+    once its model is built — and until then a port from the ephemeral range can be handed
+    by the kernel to any outgoing connection (Ray's and gloo's make many), which then fails
+    the store with EADDRINUSE. A port below the range is only ever taken by an explicit bind.
+    Falls back to any free port (bind to port 0) where that range is too small."""
+    low, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    if low - _LOWEST_PICK >= 1000:
+        for _ in range(50):
+            port = rng.randrange(_LOWEST_PICK, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue  # taken: try another
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections: Linux's
+    /proc/sys/net/ipv4/ip_local_port_range, else IANA's 49152-65535 (macOS, Windows)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+_LOWEST_PICK = 20000
+"""The lowest port `free_port` picks: above the well-known and most registered services."""
