@@ -5,7 +5,9 @@ dp = 2) for its full ``train.steps`` (300), once per seed (0, 1, 2) in each of t
 
     sync          chapter 5's loop (hybrid engine)
     one_step_off  chapter 6: two rollout workers generate step k+1 while the trainer trains
-                  on step k; every batch after the first is one weight version old
+                  on step k; every batch after the first is one weight version old; with
+                  the off-policy correction ``--correction`` (default ``tis``, truncated
+                  importance sampling; ``none`` shows what staleness costs uncorrected)
 
 Each run is `avrid.pipeline.train` (what ``avrid ppo`` runs), with validation every
 ``train.val_every`` (25) steps on the held-out prompts (greedy). Printed per run: the
@@ -16,8 +18,8 @@ earlier), i.e. one step of staleness costs no learning on this task. A figure wi
 curves is written to ``--out`` (default ``runs/bench_pipeline_curves``).
 
 Run: ``python benchmarks/bench_pipeline_curves.py [--preset tiny-ppo] [--seeds 0 1 2]
-[--steps N] [--set section.field=value ...] [--out DIR]``. It exits 0 whether or not the
-target is met (a benchmark, not a test), non-zero if a run fails.
+[--correction tis] [--steps N] [--set section.field=value ...] [--out DIR]``. It exits 0
+whether or not the target is met (a benchmark, not a test), non-zero if a run fails.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main() -> int:
     parser.add_argument("--preset", default="tiny-ppo")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="both by default; the target needs sync")
+    parser.add_argument("--correction", default="tis", choices=("none", "tis", "decoupled"),
+                        help="pipeline.correction of the one-step-off runs (sync: none)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help="default: the preset's (300)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -67,7 +71,9 @@ def main() -> int:
         for seed in args.seeds:
             for mode in args.modes:
                 started = time.time()
-                curves[mode, seed] = run(args.preset, mode, seed, args.steps, args.overrides,
+                extra = [*args.overrides, *([f"pipeline.correction={args.correction}"]
+                                            if mode == "one_step_off" else [])]
+                curves[mode, seed] = run(args.preset, mode, seed, args.steps, extra,
                                          Path(tmp) / f"{mode}-{seed}")
                 vals = " ".join(f"{s}:{v:.3f}" for s, v in curves[mode, seed])
                 print(f"seed {seed} {mode:<13} {time.time() - started:6.1f} s  val {vals}",
@@ -89,7 +95,7 @@ def main() -> int:
               f"(seeds: {', '.join(f'{v:.3f}' for v in finals)})")
     print(f"target: every one_step_off run reaches its seed's sync final val reward: "
           f"{'PASS' if ok else 'FAIL'}")
-    title = " ".join([args.preset, *args.overrides])
+    title = " ".join([args.preset, *args.overrides, f"(one_step_off: {args.correction})"])
     _plot(curves, args.seeds, Path(args.out), title)
     return 0
 
