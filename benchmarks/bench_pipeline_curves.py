@@ -7,7 +7,8 @@ dp = 2) for its full ``train.steps`` (300), once per seed (0, 1, 2) in each of t
     one_step_off  chapter 6: two rollout workers generate step k+1 while the trainer trains
                   on step k; every batch after the first is one weight version old; with
                   the off-policy correction ``--correction`` (default ``tis``, truncated
-                  importance sampling; ``none`` shows what staleness costs uncorrected)
+                  importance sampling, which is what the config's ``auto`` applies here;
+                  ``none`` shows what staleness costs uncorrected)
 
 Each run is `avrid.pipeline.train` (what ``avrid ppo`` runs), with validation every
 ``train.val_every`` (25) steps on the held-out prompts (greedy). Printed per run: the

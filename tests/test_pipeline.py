@@ -110,7 +110,7 @@ def test_one_step_off_with_weights_that_never_move_is_the_sync_run() -> None:
     # exactly the weights of version s: staleness then changes nothing, and any difference
     # would be the pipeline's own (a prompt paired with another step's responses, a wrong
     # seed, a sample lost or repeated).
-    frozen = ("train.actor_lr=1e-30", "train.critic_lr=1e-30")
+    frozen = ("train.actor_lr=1e-30", "train.critic_lr=1e-30", "pipeline.correction=none")
     sync_rows, sync_w, _ = run_steps(config(*frozen))
     off_rows, off_w, _ = run_steps(config(*frozen, "pipeline.mode=one_step_off",
                                           "pipeline.rollout_dp=1"))
@@ -213,6 +213,16 @@ def test_the_push_plan_moves_the_lower_bound_from_fsdp_shards() -> None:
 def test_bad_pipeline_config_names_the_field(sets: list[str], field: str) -> None:
     with pytest.raises(ValueError, match=f"config field '{field}'"):
         with_overrides(preset("tiny-ppo"), sets)
+
+
+def test_auto_corrects_exactly_where_batches_can_be_stale() -> None:
+    applied = {sets: with_overrides(preset("tiny-ppo"), list(sets)).pipeline.applied_correction
+               for sets in [(), ("pipeline.mode=one_step_off",),
+                            ("pipeline.mode=async", "pipeline.max_staleness=0"),
+                            ("pipeline.mode=async",),
+                            ("pipeline.mode=one_step_off", "pipeline.correction=none"),
+                            ("pipeline.correction=decoupled",)]}
+    assert list(applied.values()) == ["none", "tis", "none", "tis", "none", "decoupled"]
 
 
 def test_the_sync_trainer_refuses_another_mode() -> None:

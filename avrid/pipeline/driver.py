@@ -276,7 +276,8 @@ class PipelinedTrainer(Trainer):
         q = self.config.pipeline
         # With no correction the weights are 1, but the ratios still say how off-policy the
         # batch is: report them (and how many exceed the cap) as truncated IS would see them.
-        shown = "tis" if q.correction == "none" else q.correction
+        correction = q.applied_correction
+        shown = "tis" if correction == "none" else correction
         iw = importance_weights(padded(batch, "old_logp"), padded(batch, "rollout_logp"), mask,
                                 correction=shown, cap=q.is_cap)
         out = {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,

@@ -159,9 +159,10 @@ class PolicyWorker(TrainedWorker):
                               dual_clip=a.dual_clip)
             per_token = out.per_token
             valid = mask.bool()
-            if q.correction != "none":  # chapter 6: reweight for the policy that sampled
+            correction = q.applied_correction
+            if correction != "none":  # chapter 6: reweight for the policy that sampled
                 iw = importance_weights(padded(mb, "old_logp"), padded(mb, "rollout_logp"),
-                                        mask, correction=q.correction, cap=q.is_cap)
+                                        mask, correction=correction, cap=q.is_cap)
                 per_token = per_token * iw.weights
                 b.metric("actor/is_capped_frac", iw.capped[valid].float(), "mean_tokens")
             loss = (per_token * w).sum()
