@@ -194,6 +194,7 @@ def test_the_push_plan_moves_the_lower_bound_from_fsdp_shards() -> None:
     shapes = {"a": ((5, 3), "float32"), "b": ((7,), "float32")}
     plan = push_plan(shapes, trainers=3, rollouts=2, engine_dtype="bfloat16")
     assert plan.bytes_moved == plan.lower_bound == 2 * (15 + 7) * 2
+    assert plan.bytes_to(0) == plan.bytes_to(1) == (15 + 7) * 2  # each engine: the model
     assert plan.bytes_local == 0  # disaggregated: nothing is already in place
     assert {t.src_rank for t in plan.transfers} == {0, 1, 2}
 
@@ -234,45 +235,54 @@ def test_the_sync_trainer_refuses_another_mode() -> None:
 
 # ---- failures -------------------------------------------------------------------------------
 
-def _trainer_with(rollout_cls: type) -> type:
-    return type(f"With{rollout_cls.__name__}", (PipelinedTrainer,),
-                {"rollout_worker": rollout_cls})
+class WithRaisingRollout(PipelinedTrainer):
+    rollout_worker = RaisingRollout
 
 
-@pytest.mark.parametrize(("rollout_cls", "match"), [
-    (RaisingRollout, r"(?s)rollout\[0\]\.generate\(\).*injected rollout failure"),
-    (DyingRollout, r"rollout\[1\]\.generate\(\) died"),
+class WithDyingRollout(PipelinedTrainer):
+    rollout_worker = DyingRollout
+
+
+class WithCorruptingRollout(PipelinedTrainer):
+    rollout_worker = CorruptingRollout
+
+
+class WithRaisingLearner(PipelinedTrainer):
+    policy_worker = RaisingLearner
+
+
+@pytest.mark.parametrize(("trainer_cls", "match"), [
+    (WithRaisingRollout, r"(?s)rollout\[0\]\.generate\(\).*injected rollout failure"),
+    (WithDyingRollout, r"rollout\[1\]\.generate\(\) died"),
 ])
-def test_a_failing_rollout_worker_stops_the_run_naming_it(rollout_cls: type, match: str,
+def test_a_failing_rollout_worker_stops_the_run_naming_it(trainer_cls: type, match: str,
                                                           ray_cluster: None) -> None:
     cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=4)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=match):
-        run_steps(cfg, _trainer_with(rollout_cls))
+        run_steps(cfg, trainer_cls)
     assert time.monotonic() - start < 60  # bounded: start-up and two steps, then the error
 
 
 def test_a_failing_learner_stops_the_run_while_a_generation_is_in_flight(
         ray_cluster: None) -> None:
     cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=4)
-    trainer_cls = type("WithRaisingLearner", (PipelinedTrainer,),
-                       {"policy_worker": RaisingLearner})
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)policy\[\d\]\.update\(\).*injected learner"):
-        run_steps(cfg, trainer_cls)
+        run_steps(cfg, WithRaisingLearner)
     assert time.monotonic() - start < 60
 
 
 def test_a_rollout_engine_that_loads_wrong_weights_is_named(ray_cluster: None) -> None:
     cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=3)
     with pytest.raises(StaleWeightsError, match=r"rollout engine of rollout rank \d"):
-        run_steps(cfg, _trainer_with(CorruptingRollout))
+        run_steps(cfg, WithCorruptingRollout)
 
 
 def test_a_failing_rollout_worker_in_process_is_named_too() -> None:
     cfg = config("pipeline.mode=async", "pipeline.rollout_dp=1")
     with pytest.raises(WorkerError, match=r"(?s)rollout\[0\]\.generate\(\).*injected"):
-        run_steps(cfg, _trainer_with(RaisingRollout))
+        run_steps(cfg, WithRaisingRollout)
 
 
 # ---- the command ----------------------------------------------------------------------------

@@ -107,7 +107,6 @@ class PipelinedTrainer(Trainer):
         self._inflight: _InFlight | None = None
         self._collected: list[Merged] = []  # generations finished during the current step
         self._spans: list[Span] = []  # pushes made since the current step began
-        self._pushed_bytes: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -264,7 +263,6 @@ class PipelinedTrainer(Trainer):
             check_same(expected, r.checksums, where=f"rollout engine of rollout rank {r.rank} "
                                                     f"(weights version {r.version})")
         self.rollout_version = self.trainer_version
-        self._pushed_bytes = max(r.bytes_received for r in received)
         self._spans.append(Span(name="weight_push", start=start, end=time.time()))
 
     # ---- what a step reports ---------------------------------------------------------------
@@ -288,7 +286,8 @@ class PipelinedTrainer(Trainer):
         out.update({f"pipeline/{k}": v for k, v in weight_stats(iw, mask).items()})
         # Every step reports the same keys: 0 when no push fell in this step.
         pushes = [s for s in self._spans if s.name == "weight_push"]
-        out["sync/bytes_per_rank"] = float(self._pushed_bytes) if pushes else 0.0
+        per_rank = max(self.push_plan.bytes_to(r) for r in range(self.push_plan.target_world))
+        out["sync/bytes_per_rank"] = float(per_rank) if pushes else 0.0
         out["time/weight_push"] = sum(s.end - s.start for s in pushes)
         return out
 

@@ -45,7 +45,6 @@ class Received:
     """The version the engine now holds."""
     checksums: dict[str, int]
     """Whole-tensor fingerprints of what the engine holds now."""
-    bytes_received: int
     start: float
     end: float
 
@@ -83,6 +82,7 @@ class RolloutWorker(Worker):
         self._transfer = join_group(address, port, rank=plan.source_world + self.identity.rank,
                                     world_size=world, device=self.device, timeout_s=timeout_s)
         self._plan = plan
+        self._layout = engine_layout(plan)  # what the engine's fingerprints are taken under
 
     def receive_weights(self, version: int) -> Received:
         """Receive the trainer's weights of `version`, load them and fingerprint the engine;
@@ -95,13 +95,11 @@ class RolloutWorker(Worker):
         self.engine.wake()
         sink = engine_sink(self.engine, self.config)
         self._load(sink, full)
-        sums = sink.checksums(engine_layout(self._plan), 0)  # what the engine now holds
+        sums = sink.checksums(self._layout, 0)  # what the engine now holds
         self.engine.sleep()
         self.version = version
-        moved = sum(t.nbytes for b in self._plan.buckets for t in b.transfers
-                    if t.dst_rank == self.identity.rank)
         return Received(rank=self.identity.rank, version=version, checksums=sums,
-                        bytes_received=moved, start=start, end=time.time())
+                        start=start, end=time.time())
 
     def _load(self, sink: WeightSink, full: dict[str, torch.Tensor]) -> None:
         """Load the received tensors into the engine (a test overrides this to corrupt one)."""

@@ -126,6 +126,10 @@ class TransferPlan:
         return sum(t.nbytes for t in self.transfers
                    if t.src_rank == src_rank and t.dst_rank == dst_rank)
 
+    def bytes_to(self, dst_rank: int) -> int:
+        """Bytes target rank `dst_rank` receives from other processes."""
+        return sum(t.nbytes for t in self.transfers if t.dst_rank == dst_rank)
+
     def describe(self, max_rows: int = 12) -> str:
         """Totals, a source x target byte matrix and the first `max_rows` transfers."""
         pairs = ", ".join(f"t{t}=s{s}" for t, s in self.same_process) or "none"

@@ -93,9 +93,8 @@ class WeightSync:
             dist.all_gather_object(parts, mine, group=group)
         check_same(combine(parts), sink.checksums(self.engine_layout, 0),
                    where=f"rollout engine of policy rank {self.rank}")
-        moved = sum(t.nbytes for b in self.plan.buckets for t in b.transfers
-                    if t.dst_rank == self.rank)
-        return SyncReport(bytes_moved=moved, seconds=time.perf_counter() - start)
+        return SyncReport(bytes_moved=self.plan.bytes_to(self.rank),
+                          seconds=time.perf_counter() - start)
 
 
 def _check_local_shapes(layout: ModelLayout, rank: int, shards: dict[str, torch.Tensor]) -> None:
