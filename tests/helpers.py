@@ -281,3 +281,12 @@ def trainer_logprobs(model: Any, prompts: Any, completions: Any, *, temperature:
     with torch.no_grad():
         logp, _ = response_logprobs(model, x, temperature)
     return [logp[i, :len(r)].clone() for i, r in enumerate(responses)]
+
+
+class TensorEchoWorker(Worker):
+    """Returns what it was sent, and whether this process sends tensors by the numpy wire."""
+
+    def echo(self, value: Any) -> tuple[Any, bool]:
+        from avrid.workers import tensor_wire
+
+        return value, tensor_wire._registered

@@ -41,6 +41,7 @@ from avrid.workers.group import WorkerGroup
 from avrid.workers.identity import Rendezvous, WorkerIdentity
 from avrid.workers.outcome import free_port
 from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
+from avrid.workers.tensor_wire import register_tensor_wire
 from avrid.workers.worker import Worker
 
 
@@ -145,6 +146,7 @@ def _record_placement(worker: Worker) -> WorkerIdentity:
     worker.identity = replace(worker.identity, node=ray.util.get_node_ip_address(),
                               node_id=ray.get_runtime_context().get_node_id(),
                               devices=tuple(gpus))
+    register_tensor_wire()  # results go back as numpy buffers, not torch.save
     return worker.identity
 
 
@@ -256,6 +258,7 @@ class RayBackend:
             raise RuntimeError("Ray is not running: call avrid.workers.start_ray() (or "
                                "ray.init()) before RayBackend().launch()")
         _check_fits(plan)
+        register_tensor_wire()  # shards go out as numpy buffers, not torch.save
         pgs: dict[str, PlacementGroup] = {}
         groups: dict[str, WorkerGroup] = {}
 
