@@ -211,3 +211,12 @@ def test_partition_value_checks_its_own_shape() -> None:
     with pytest.raises(ValueError, match="one cost per shard"):
         Partition(method="kk", equal_count=False, shards=((0,), ()), costs=(1.0,),
                   lower_bound=1.0)
+
+
+@pytest.mark.parametrize("method", ["kk", "lpt", "contiguous"])
+@pytest.mark.parametrize("equal_count", [False, True])
+def test_one_shard_holds_every_position_in_order(method: str, equal_count: bool) -> None:
+    costs = [5.0, 1.0, 9.0, 0.0, 3.0]
+    p = partition(costs, 1, method, equal_count=equal_count)
+    assert p.shards == ((0, 1, 2, 3, 4),)
+    assert p.costs == (18.0,) and p.lower_bound == 18.0

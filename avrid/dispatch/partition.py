@@ -127,6 +127,8 @@ def karmarkar_karp(costs: Costs, k: int, *, equal_count: bool = False) -> Partit
     """
     c, k = _validated(costs, k)
     n = len(c)
+    if k == 1:  # one shard holds everything, in position order, whatever the method
+        return _build("kk", c, np.zeros(n, dtype=np.int64), 1, equal_count)
     # Descending by cost, ties by position (a stable sort of -c): this fixes every later tie.
     order = np.argsort(-c, kind="stable").tolist()
     desc = c[order].tolist()
