@@ -115,3 +115,72 @@ def test_fingerprint_check_catches_a_corrupted_tensor() -> None:
                                                 r".weight@t1'\]"):
         check_same(combine(o[4] for o in outs),
                    combine(slice_checksums(plan.target, o[0], o[1]) for o in outs))
+
+
+def test_post_sends_returns_before_delivery_and_delivers_the_snapshot() -> None:
+    """A sender-only process (chapter 6's trainer) posts every bucket's sends at once and
+    returns; the receivers, running `execute` bucket by bucket, get exactly what was posted,
+    even though the sender overwrites its live weights before anyone has received."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from avrid.reshard.executor import execute, post_sends
+    from avrid.workers.outcome import free_port
+
+    shapes = decoder_shapes(layers=1)
+    full = full_weights(shapes, seed=5)
+    senders, receivers = 2, 2
+    target = ModelLayout.fsdp(shapes, 1)  # each receiver: every tensor whole (replicated)
+    target = ModelLayout(world_size=receivers, params=tuple(
+        (name, type(p).replicated(p.shape, p.dtype, receivers)) for name, p in target.params))
+    plan = plan_transfer(ModelLayout.fsdp(shapes, senders), target, same_process={},
+                         bucket_bytes=1024)
+    assert len(plan.buckets) > 1  # several buckets, all posted at once by each sender
+    port, world = free_port(), senders + receivers
+    got: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    posted = threading.Barrier(world)  # receivers start only once every sender has returned
+
+    def member(rank: int) -> None:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                                  timeout=timedelta(seconds=30))
+            group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+            if rank < senders:
+                live = {name: full[name][p.regions[rank].to_slices()].clone()
+                        for name, p in plan.source.params if p.regions[rank] is not None}
+                snapshot = {name: t.clone() for name, t in live.items()}
+                works = post_sends(plan, rank, snapshot, group)
+                posted.wait(timeout=30)  # returned while the receivers still wait for us
+                for t in live.values():
+                    t.add_(1.0)  # the optimizer steps: the snapshot is what travels
+                for work in works:
+                    work.wait()
+            else:
+                posted.wait(timeout=30)
+                got[rank - senders] = execute(plan, rank, {}, group=group)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert sorted(got) == list(range(receivers))
+    for out in got.values():
+        for name, tensor in full.items():
+            assert torch.equal(out[name], tensor), name
+
+
+def test_post_sends_refuses_a_process_that_also_receives() -> None:
+    from avrid.reshard.executor import post_sends
+
+    shapes = decoder_shapes(layers=1)
+    plan = plan_transfer(ModelLayout.fsdp(shapes, 2), decoder_tp_layout(shapes, 2),
+                         same_process={0: 0, 1: 1}, bucket_bytes=2048)
+    with pytest.raises(ValueError, match="must play a source rank and no target rank"):
+        post_sends(plan, 0, {}, group=None)  # type: ignore[arg-type]

@@ -14,10 +14,15 @@ them generating the NEXT batches while the trainer learns from the current one:
                     pump again: the trainer has a new version, so push it and start more
 
     pump            with no generation in flight (a push never cancels one): if the engines
-                    are behind the trainer, push the trainer's weights (`transfer.py`,
-                    fingerprint-checked); then, if the gate admits the next step's batch
-                    (`staleness.py`: trainer version - engine version <= K, queue has room),
-                    start generating it — one `start_shards` call, collected later
+                    are behind the trainer, push the trainer's weights (`transfer.py`);
+                    then, if the gate admits the next step's batch (`staleness.py`:
+                    trainer version - engine version <= K, queue has room), start
+                    generating it — one `start_shards` call, collected later
+
+Nobody waits for a push: the trainer ranks post their sends and return (the learning goes
+on while the bytes travel), each rollout rank receives and loads before the generation
+queued behind it, and the driver checks the fingerprints when it next looks (`_settle_push`)
+— at the latest before it accepts a batch made with those weights.
 
 Every sample carries the version of the weights that made it (the rollout worker stamps it);
 the driver checks the stamp, computes each batch's staleness and refuses one above K. K = 0
@@ -53,7 +58,7 @@ from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import check_same, combine
 from avrid.results import Merged, Phases, ShardCall, Span, Timeline, start_shards
-from avrid.workers import PlacementPlan, WorkerError
+from avrid.workers import PendingCall, PlacementPlan, WorkerError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +70,19 @@ class _InFlight:
     prompts: Batch
     call: ShardCall
     launched: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Push:
+    """A weight push posted to both pools and not yet checked."""
+
+    version: int
+    submitted: float
+    sent: PendingCall  # per trainer rank: (partial fingerprints, start, end)
+    got: PendingCall  # per rollout rank: `Received`
+
+    def done(self) -> bool:
+        return self.sent.done() and self.got.done()
 
 
 class _TendingPhases(Phases):
@@ -105,8 +123,10 @@ class PipelinedTrainer(Trainer):
         self.next_gen = 0
         """The next step whose batch is to be generated."""
         self._inflight: _InFlight | None = None
+        self._pushing: _Push | None = None
         self._collected: list[Merged] = []  # generations finished during the current step
-        self._spans: list[Span] = []  # pushes made since the current step began
+        self._spans: list[Span] = []  # pushes checked since the current step began
+        self._push_trainer: list[float] = []  # and the seconds each cost the trainer ranks
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -124,13 +144,13 @@ class PipelinedTrainer(Trainer):
         t = self.config.train
         self.rollout = self.cluster.group("rollout", self.rollout_worker)
         self.rollout.submit(self.rollout_worker.setup).result(t.setup_timeout_s)
-        shapes = self.policy.call_ranks([0], LearnerWorker.weight_shapes)[0]
+        shapes = self.policy.call_ranks([0], self.policy_worker.weight_shapes)[0]
         self.push_plan = push_plan(shapes, trainers=self.policy.world_size,
                                    rollouts=self.rollout.world_size,
                                    engine_dtype=self.config.model.dtype)
-        address, port = self.policy.call_ranks([0], LearnerWorker.transfer_address)[0]
+        address, port = self.policy.call_ranks([0], self.policy_worker.transfer_address)[0]
         # Both pools join at once: the group forms only when all T + R processes are in.
-        joining = [self.policy.submit(LearnerWorker.join_transfer, address, port,
+        joining = [self.policy.submit(self.policy_worker.join_transfer, address, port,
                                       self.push_plan, t.call_timeout_s),
                    self.rollout.submit(self.rollout_worker.join_transfer, address, port,
                                        self.push_plan, t.call_timeout_s)]
@@ -139,6 +159,7 @@ class PipelinedTrainer(Trainer):
         self.trainer_version = self.gate.version_at(step)
         self.next_gen = step
         self._push()
+        self._settle_push(wait=True)
 
     def generator(self):  # noqa: ANN201 - (WorkerGroup, method), as Trainer.generator
         """The rollout pool generates (validation included)."""
@@ -152,6 +173,7 @@ class PipelinedTrainer(Trainer):
             if self._inflight is not None:
                 self._inflight.call.pending.result(timeout)
                 self._inflight = None
+            self._settle_push(wait=True)
             self.rollout.submit(self.rollout_worker.close).result(timeout)
         super().close(failed=failed)
 
@@ -181,7 +203,7 @@ class PipelinedTrainer(Trainer):
         metrics = self._metrics(batch, [rollout.generation, *merged], phases)
         metrics.update(self._pipeline_metrics(batch, phases, version))
         self.timeline = self._timeline(phases)
-        self._collected, self._spans = [], []
+        self._collected, self._spans, self._push_trainer = [], [], []
         return metrics, batch
 
     def validate(self) -> dict[str, float]:
@@ -191,6 +213,7 @@ class PipelinedTrainer(Trainer):
             self._collect()
         if self.rollout_version != self.trainer_version:
             self._push()
+        self._settle_push(wait=True)
         return super().validate()
 
     # ---- the pipeline ----------------------------------------------------------------------
@@ -233,6 +256,9 @@ class PipelinedTrainer(Trainer):
     def _collect(self) -> None:
         """Wait for the generation in flight; check its stamps and queue its batch."""
         done, self._inflight = self._inflight, None
+        # A push posted before this generation ran before it on every rollout rank: its check
+        # costs no waiting, and a failed push is reported as itself, not as a stale batch.
+        self._settle_push(wait=True)
         merged = done.call.result()
         batch = with_responses(done.prompts, merged.batch)
         stamps = batch.scalars["version"]
@@ -245,25 +271,48 @@ class PipelinedTrainer(Trainer):
         self._collected.append(merged)
 
     def _push(self) -> None:
-        """The trainer's weights into every rollout engine, checked against the trainer's
-        fingerprints. Only with no generation in flight: a push never cancels one."""
+        """Post the trainer's weights to every rollout engine; only with no generation in
+        flight, so a push never cancels one. Nobody waits for it here: the trainer ranks post
+        their sends and go on training, the rollout ranks receive and load before the next
+        call they are given (a generation, usually launched right after), and the driver
+        checks the fingerprints later (`_settle_push`), before any batch made with them."""
         if self._inflight is not None:
             raise StalenessError("a weight push was started while a generation is in flight")
-        start, timeout = time.time(), self.config.train.call_timeout_s
-        sent = self.policy.submit(LearnerWorker.push_weights)
-        got = self.rollout.submit(self.rollout_worker.receive_weights, self.trainer_version)
+        self._settle_push(wait=True)  # the previous push, long finished: check it first
+        self._pushing = _Push(
+            version=self.trainer_version, submitted=time.time(),
+            sent=self.policy.submit(self.policy_worker.push_weights),
+            got=self.rollout.submit(self.rollout_worker.receive_weights, self.trainer_version))
+        self.rollout_version = self.trainer_version
+
+    def _settle_push(self, *, wait: bool) -> None:
+        """Check the push posted last: every rollout engine's fingerprints must equal the
+        trainer ranks' partial ones added up. `wait=False` checks only a finished push (and
+        reports a trainer rank whose push already failed); `wait=True` waits for it."""
+        push, timeout = self._pushing, self.config.train.call_timeout_s
+        if push is None:
+            return
+        if not wait and not push.done():
+            if push.sent.done():
+                push.sent.result(timeout)  # raises now if a trainer rank failed to send
+            return
+        self._pushing = None
         try:
-            received = got.result(timeout)
+            received = push.got.result(timeout)
         except WorkerError:
-            if sent.done():  # a trainer rank that failed first is the cause: report it
-                sent.result(timeout)
+            if push.sent.done():  # a trainer rank that failed first is the cause: report it
+                push.sent.result(timeout)
             raise
-        expected = combine(part[0] for part in sent.result(timeout))
+        sent = push.sent.result(timeout)
+        expected = combine(part[0] for part in sent)
         for r in received:
             check_same(expected, r.checksums, where=f"rollout engine of rollout rank {r.rank} "
                                                     f"(weights version {r.version})")
-        self.rollout_version = self.trainer_version
-        self._spans.append(Span(name="weight_push", start=start, end=time.time()))
+        # The push as the workers saw it: from its submission to the last rank's end; the
+        # trainer's own share (posting its sends) is `time/push_trainer`.
+        self._spans.append(Span(name="weight_push", start=push.submitted,
+                                end=max(*(p[2] for p in sent), *(r.end for r in received))))
+        self._push_trainer.append(max(p[2] - p[1] for p in sent))
 
     # ---- what a step reports ---------------------------------------------------------------
 
@@ -289,6 +338,7 @@ class PipelinedTrainer(Trainer):
         per_rank = max(self.push_plan.bytes_to(r) for r in range(self.push_plan.target_world))
         out["sync/bytes_per_rank"] = float(per_rank) if pushes else 0.0
         out["time/weight_push"] = sum(s.end - s.start for s in pushes)
+        out["time/push_trainer"] = sum(self._push_trainer)
         return out
 
     def _overlap(self, phases: Phases) -> float:

@@ -8,8 +8,11 @@ and its weight sync is replaced by a push to the rollout pool (`transfer.py`):
     weight_shapes     the actor's whole-tensor shapes, from which the driver plans the push
     transfer_address  rank 0 only: its node's IP and a free port (the group's TCP store)
     join_transfer     join the trainer + rollout process group (every rank at once)
-    push_weights      send this rank's FSDP2 shards, cast to the engine's dtype, and return
-                      their partial fingerprints for the driver's check
+    push_weights      post the sends of a snapshot of this rank's FSDP2 shards, cast to the
+                      engine's dtype, and return their partial fingerprints for the driver's
+                      check, without waiting for the rollout ranks to receive them: the
+                      sends finish while the trainer trains, and are waited for at the next
+                      push (or at close)
 
 Not here: when to push (the driver) or how a rollout rank receives (`rollout.py`).
 """
@@ -21,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from avrid.pipeline.transfer import Shapes, join_group, send_shards
+from avrid.pipeline.transfer import Shapes, join_group, post_shards
 from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.reshard import TransferPlan
@@ -33,6 +36,8 @@ class LearnerWorker(PolicyWorker):
 
     _transfer: dist.ProcessGroup | None = None
     _plan: TransferPlan | None = None
+    _sending: tuple[dist.Work, ...] = ()  # the last push's sends, posted, not yet waited for
+    _snapshot: dict[str, torch.Tensor] | None = None  # what they send: kept until they finish
 
     def _make_engine(self, model: torch.nn.Module) -> None:
         """No engine: the rollout pool generates (see the module docstring)."""
@@ -58,13 +63,34 @@ class LearnerWorker(PolicyWorker):
         self._plan = plan
 
     def push_weights(self) -> tuple[dict[str, int], float, float]:
-        """Send this rank's shards to every rollout rank; all trainer and rollout ranks at
-        once. Returns (partial fingerprints, start, end) — the times for the timeline."""
+        """Post the sends of this rank's shards to every rollout rank and return; all trainer
+        and rollout ranks at once. Returns (partial fingerprints, start, end) — the times for
+        the timeline."""
         if self._transfer is None or self._plan is None:
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"push_weights()")
         start = time.time()
-        # A no-op (the same tensors) when the dtypes agree, e.g. fp32 training and engine.
-        shards = {n: t.to(self.dtype) for n, t in fsdp.local_shards(self.model).items()}
-        sums = send_shards(self._plan, self.identity.rank, shards, self._transfer, self.device)
+        self.finish_push()  # the previous push's sends: long delivered by now
+        # A copy even where the dtypes agree: the sends read it after this call returns,
+        # while the optimizer overwrites the parameters themselves.
+        self._snapshot = {n: t.to(self.dtype, copy=True)
+                          for n, t in fsdp.local_shards(self.model).items()}
+        works, sums = post_shards(self._plan, self.identity.rank, self._snapshot,
+                                  self._transfer)
+        self._sending = tuple(works)
         return sums, start, time.time()
+
+    def finish_push(self) -> None:
+        """Wait for the last push's sends (a failed send raises here) and free the snapshot."""
+        sending, self._sending = self._sending, ()
+        for work in sending:
+            work.wait()
+        self._snapshot = None
+
+    def close(self) -> None:
+        """Let the last push's sends finish (the driver has checked that they arrived), then
+        chapter 5's close."""
+        try:
+            self.finish_push()
+        finally:
+            super().close()

@@ -16,9 +16,12 @@ process i, rollout rank j is process T + j, as chapter 4's `ProcessMap` numbers 
 gloo on CPU and NCCL on GPU, built from a TCP store that trainer rank 0 hosts: the trainer
 ranks already have their FSDP group, and a process has only one default group.
 
-Every trainer rank calls `send_shards` and every rollout rank `receive_full` at the same time
-(`execute` on both sides). The check is the driver's: the trainer ranks' partial
-fingerprints, added up, must equal each rollout engine's whole-tensor fingerprints.
+Every trainer rank calls `post_shards` and every rollout rank `receive_full` at the same
+time. The trainer only posts its sends (`post_sends`) and goes back to training, so a push
+costs the trainer a snapshot of its shard, not the time the rollout ranks take to receive
+and load; the rollout ranks run `execute`, bucket by bucket. The check is the driver's: the
+trainer ranks' partial fingerprints, added up, must equal each rollout engine's whole-tensor
+fingerprints.
 
 Not here: when to push (the driver decides: never while a generation is in flight), and
 loading into an engine (`generation.engine_sink`).
@@ -38,6 +41,7 @@ from avrid.reshard import (
     execute,
     layout_checksums,
     plan_transfer,
+    post_sends,
 )
 
 BUCKET_BYTES = 64 << 20
@@ -83,12 +87,15 @@ def join_group(address: str, port: int, *, rank: int, world_size: int, device: s
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def send_shards(plan: TransferPlan, rank: int, shards: dict[str, torch.Tensor],
-                group: dist.ProcessGroup, device: str) -> dict[str, int]:
-    """Trainer rank `rank`: send its shards (already in the engine's dtype) where the plan
-    says; returns their partial fingerprints for the driver's check."""
-    execute(plan, rank, shards, group=group, device=device)
-    return layout_checksums(plan.source, rank, shards)
+def post_shards(plan: TransferPlan, rank: int, shards: dict[str, torch.Tensor],
+                group: dist.ProcessGroup) -> tuple[list[dist.Work], dict[str, int]]:
+    """Trainer rank `rank`: post the sends of its shards (already in the engine's dtype, and
+    a snapshot: the optimizer may step before gloo or NCCL has read them) and return at once,
+    with the unfinished sends and the shards' partial fingerprints for the driver's check.
+    The trainer goes on training while the rollout ranks receive; it waits for the sends
+    before its next push."""
+    works = post_sends(plan, rank, shards, group)
+    return works, layout_checksums(plan.source, rank, shards)
 
 
 def receive_full(plan: TransferPlan, rollout_rank: int, group: dist.ProcessGroup,

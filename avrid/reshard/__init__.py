@@ -13,6 +13,7 @@ from avrid.reshard.executor import (
     expected_slice_checksums,
     layout_checksums,
     naive_allgather,
+    post_sends,
     slice_checksums,
 )
 from avrid.reshard.fingerprint import (
@@ -31,6 +32,6 @@ __all__ = [
     "Bucket", "Fingerprint", "LayoutError", "ModelLayout", "ParamLayout", "ProcessMap",
     "Region", "StaleWeightsError", "Transfer", "TransferPlan", "check_same", "combine",
     "decoder_tp_layout", "execute", "expected_slice_checksums", "fingerprint",
-    "layout_checksums", "naive_allgather", "plan_transfer", "region_checksum",
+    "layout_checksums", "naive_allgather", "plan_transfer", "post_sends", "region_checksum",
     "slice_checksums",
 ]

@@ -9,7 +9,9 @@ A process may hold a source rank (a training shard), a target rank (a rollout sl
                    all the bucket's sends and receives posted together (batch_isend_irecv)
 
 so at most one bucket's worth of temporary buffers exists at a time: peak extra memory is the
-bucket size plus the largest single region. `naive_allgather` is the baseline: every rank
+bucket size plus the largest single region. A process that only sends (a trainer feeding
+engines in other processes, chapter 6) may instead `post_sends` every bucket at once and go
+on with its work, waiting for the sends later. `naive_allgather` is the baseline: every rank
 all-gathers every full tensor and slices what it needs (verl's old sync path).
 
 Both return the target rank's tensors; `layout_checksums` turns either side into partial
@@ -112,22 +114,45 @@ def _run_bucket(bucket: Bucket, plan: TransferPlan, pmap: ProcessMap, process: i
 
 def _post(ops: list[tuple[str, torch.Tensor, int]], group: dist.ProcessGroup | None) -> None:
     """Post one bucket's sends and receives ("send"/"recv", tensor, peer) together; wait."""
+    for work in _start(ops, group):
+        work.wait()
+
+
+def _start(ops: list[tuple[str, torch.Tensor, int]],
+           group: dist.ProcessGroup | None) -> list[dist.Work]:
+    """Post the sends and receives ("send"/"recv", tensor, peer); return them unfinished."""
     if not ops:
-        return
+        return []
     if group is None or _registered(group):
-        works = dist.batch_isend_irecv([
+        return dist.batch_isend_irecv([
             dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group)
             for kind, t, peer in ops])
-    else:
-        # A group built straight from a TCPStore (an in-process rank's, or chapter 6's group
-        # joining the trainer and rollout pools) is not in torch.distributed's registry, so
-        # P2POp cannot translate its ranks: post on the group object itself. Every process
-        # walks the buckets' transfers in the same order, so no receive waits on a send that
-        # its peer posts later.
-        works = [group.send([t], peer, 0) if kind == "send" else group.recv([t], peer, 0)
-                 for kind, t, peer in ops]
-    for work in works:
-        work.wait()
+    # A group built straight from a TCPStore (an in-process rank's, or chapter 6's group
+    # joining the trainer and rollout pools) is not in torch.distributed's registry, so
+    # P2POp cannot translate its ranks: post on the group object itself. Every process
+    # walks the buckets' transfers in the same order, so no receive waits on a send that
+    # its peer posts later.
+    return [group.send([t], peer, 0) if kind == "send" else group.recv([t], peer, 0)
+            for kind, t, peer in ops]
+
+
+def post_sends(plan: TransferPlan, process: int, shards: Mapping[str, torch.Tensor],
+               group: dist.ProcessGroup) -> list[dist.Work]:
+    """A process that plays only a source rank (a trainer sending to engines in other
+    processes): post every send of the plan at once and return without waiting.
+
+    The receivers take them bucket by bucket, in plan order, as `execute` does. The caller
+    must keep `shards` unchanged and alive until every returned work is waited on: pass a
+    snapshot, not the live parameters. Memory: the snapshot (this rank's shard), not a
+    bucket — the price of not waiting for the receivers."""
+    pmap = ProcessMap.for_plan(plan)
+    src, dst = pmap.roles_of(process)
+    if src is None or dst is not None or any(t.src_rank == src for t in plan.local):
+        raise ValueError(f"post_sends: process {process} must play a source rank and no "
+                         f"target rank (source {src}, target {dst}); use execute()")
+    ops = [("send", _piece(shards, plan.source, t).contiguous(), pmap.target[t.dst_rank])
+           for bucket in plan.buckets for t in bucket.transfers if t.src_rank == src]
+    return _start(ops, group)
 
 
 def _registered(group: dist.ProcessGroup) -> bool:
