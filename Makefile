@@ -76,8 +76,13 @@ test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here)
 test-vllm: vllm-setup  ## the vllm tier: every vllm-marked test on the real engine (CPU here)
 	$(VBIN)/python -m pytest -m vllm -p no:cacheprovider
 
-gpu-test: setup  ## only the GPU tier, on a CUDA machine
-	$(BIN)/python -m pytest -m "gpu or vllm" -v
+# With more than one GPU, the GPU tier runs side by side under avrid's test scheduler
+# (`--gpus all`: each test in its own process on the GPUs its marker asks for, see
+# avrid/gpusched); with one GPU, or no nvidia-smi, one test after another as before.
+# `=`, not `:=`: nvidia-smi is asked only when gpu-test runs.
+GPU_COUNT = $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+gpu-test: setup  ## only the GPU tier, on a CUDA machine (scheduled over the GPUs if several)
+	$(BIN)/python -m pytest -m "gpu or vllm" -v $(if $(filter-out 0 1,$(GPU_COUNT)),--gpus all)
 
 bench: setup  ## the benchmarks (they print ratios; not timed tests)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

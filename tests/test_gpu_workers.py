@@ -11,7 +11,7 @@ from tests.helpers import CudaWorker
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-@pytest.mark.gpu(count=1)
+@pytest.mark.gpu(count=1, duration_s=30, memory_gb=2)
 def test_colocated_roles_share_one_real_gpu() -> None:
     from avrid.workers import RayBackend
 
@@ -27,7 +27,7 @@ def test_colocated_roles_share_one_real_gpu() -> None:
     assert actor["sum"] == rollout["sum"] == 4.0
 
 
-@pytest.mark.gpu(count=2)
+@pytest.mark.gpu(count=2, duration_s=30, memory_gb=2)
 def test_nccl_all_reduce_across_gpus() -> None:
     import torch
 

@@ -33,9 +33,10 @@ HEAVY = ("torch", "ray", "transformers", "matplotlib")
 DIST_OF = {"yaml": "pyyaml"}
 """Import names that differ from the name pip installs."""
 
-OPTIONAL = {"vllm": "vllm", "wandb": "wandb", "pyarrow": None}
+OPTIONAL = {"vllm": "vllm", "wandb": "wandb", "pyarrow": None, "pytest": "dev"}
 """Packages only some features import, lazily, and the extra that brings each (None: none;
-the feature's own error names the package)."""
+the feature's own error names the package). pytest: only the GPU test scheduler
+(avrid.gpusched) imports it, and pytest itself loads that plugin, so it is always there."""
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

@@ -60,19 +60,19 @@ def check_tiny_cuda_run(out: Path, dp: int) -> None:
     assert (out / "checkpoints").is_dir()
 
 
-@pytest.mark.gpu(count=1)
+@pytest.mark.gpu(count=1, duration_s=120, memory_gb=4)
 @pytest.mark.timeout(600)
 def test_tiny_ppo_step_on_one_gpu(tmp_path: Path) -> None:
     check_tiny_cuda_run(tmp_path / "run", dp=1)
 
 
-@pytest.mark.gpu(count=2)
+@pytest.mark.gpu(count=2, duration_s=150, memory_gb=4)
 @pytest.mark.timeout(600)
 def test_tiny_ppo_step_fsdp2_over_two_gpus_with_nccl(tmp_path: Path) -> None:
     check_tiny_cuda_run(tmp_path / "run", dp=2)
 
 
-@pytest.mark.gpu(count=2)
+@pytest.mark.gpu(count=2, duration_s=150, memory_gb=4)
 @pytest.mark.timeout(600)
 def test_one_step_off_pushes_over_nccl_to_a_rollout_gpu(tmp_path: Path) -> None:
     """Chapter 6 on GPUs: the trainer on one GPU, a rollout worker on another, weights
@@ -140,7 +140,7 @@ def gsm8k_run_config(model: Path, data: Path, out: Path, *extra: str) -> PPOConf
 @pytest.mark.vllm
 @pytest.mark.timeout(900)  # vLLM's start-up (engine core, CUDA graphs) dominates
 @pytest.mark.parametrize("device", [
-    pytest.param("cuda", marks=pytest.mark.gpu(count=1)),
+    pytest.param("cuda", marks=pytest.mark.gpu(count=1, duration_s=240)),
     # The same preset and code path on vLLM's CPU build: bf16, chat template, KL, GRPO.
     "cpu"])
 def test_gsm8k_grpo_with_vllm_on_a_tiny_model(tmp_path: Path, device: str) -> None:
@@ -177,7 +177,7 @@ REAL_DATA = os.environ.get("AVRID_GSM8K_PATH")
 @pytest.mark.skipif(not (REAL_MODEL and REAL_DATA), reason=(
     "set AVRID_QWEN_PATH (a local Qwen2.5-0.5B-Instruct directory) and AVRID_GSM8K_PATH "
     "(a local GSM8K .jsonl or .parquet) to run the real-checkpoint test"))
-@pytest.mark.gpu(count=1)
+@pytest.mark.gpu(count=1, duration_s=600)
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
 def test_qwen_gsm8k_preset_on_a_real_checkpoint(tmp_path: Path) -> None:

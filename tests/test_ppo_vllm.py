@@ -107,7 +107,7 @@ def test_stop_tokens_end_a_row_and_are_kept(engine: VllmEngine) -> None:
         assert len(c.logprobs) == len(c.token_ids) <= 6
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(duration_s=90)
 def test_sleep_frees_memory_and_wake_restores_the_same_model(engine: VllmEngine) -> None:
     greedy = SamplingParams(max_new_tokens=12, greedy=True)
     before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
@@ -137,7 +137,7 @@ def test_load_weights_switches_to_the_other_model(engine: VllmEngine,
     assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(duration_s=90)
 def test_load_weights_while_asleep_is_refused(engine: VllmEngine,
     checkpoints: dict[str, Path]) -> None:
     engine.sleep()
