@@ -1,10 +1,10 @@
 """Chapter 2 — sending a planned batch through a worker group, by data-parallel coordinate.
 
-`dispatch(group, Worker.method, plan, batch)` splits the batch by the plan, stores each shard
-once (`group.put`: the Ray object store, or nothing to do in-process) and hands the *same
-handle* to every rank whose data-parallel coordinate is that shard — the tensor-parallel
-replicas of one shard share one copy instead of the driver serialising it tp times (verl's
-`DP_COMPUTE` pickles the batch per call). It returns the answers of the collect ranks (one per
+`dispatch(group, Worker.method, plan, batch)` splits the batch by the plan and sends each
+shard once: a shard that several ranks read (the tensor-parallel replicas of one DP shard) is
+stored once (`group.put`: the Ray object store, or nothing to do in-process) and the *same
+handle* goes to each of them, instead of the driver serialising it tp times (verl's
+`DP_COMPUTE` pickles the batch per call); a shard that one rank reads goes inside its call. It returns the answers of the collect ranks (one per
 shard, in shard order), ready for `plan.restore`.
 
 The worker's method receives a `Shard` and walks its micro-batches:
@@ -19,6 +19,7 @@ This file does not plan (`plan.py`) and does not merge rich results (chapter 3).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,8 +44,14 @@ def submit_shards(group: WorkerGroup, method: Callable[..., R], plan: DispatchPl
     if plan.num_shards != mesh.axis_size(axis):
         raise ValueError(f"the plan has {plan.num_shards} shards but {group.role}'s mesh "
                          f"({mesh}) has {mesh.axis_size(axis)} ranks along {axis!r}")
-    handles = [group.put(shard) for shard in plan.split(batch)]  # each shard stored once
-    per_rank = [handles[mesh.coords(r)[axis]] for r in range(group.world_size)]
+    shard_of = [mesh.coords(r)[axis] for r in range(group.world_size)]
+    readers = Counter(shard_of)
+    # A shard several ranks read (the TP replicas of one DP shard) is stored once and shared.
+    # One that a single rank reads goes inside its call: Ray inlines a small argument and
+    # stores a large one itself, so storing it first would only add a round trip.
+    handles = [group.put(shard) if readers[i] > 1 else shard
+               for i, shard in enumerate(plan.split(batch))]
+    per_rank = [handles[s] for s in shard_of]
     same = [[a] * group.world_size for a in args]
     return group.submit_per_rank(method, per_rank, *same,
                                  **{k: [v] * group.world_size for k, v in kwargs.items()})
