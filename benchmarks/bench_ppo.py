@@ -41,9 +41,9 @@ What overhead counts, and where the script shows it going (``run_shards``'s driv
     merge      checking and merging the canonical results on the driver
     driver     driver work inside phases but outside `run_shards`: attaching columns to the
                batch, GAE / group advantages (the whole ``advantages`` phase)
-    weight sync   the ``weight_sync`` phase, all of it: a plain ``group.call`` whose workers
-               record no spans (transfer of the FSDP shards, engine load, fingerprint check),
-               so by the trainer's definition it is orchestration, not compute
+    weight sync   the ``weight_sync`` phase beyond its ranks' own ``weight_sync`` spans
+               (transfer of the FSDP shards, engine load, fingerprint check: worker work,
+               counted as compute like every other phase's): the call's transport
     between phases   as above
 
 What is not counted as overhead: anything inside a worker span, including FSDP's all-gathers
@@ -134,6 +134,8 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
         out.wall[phase.name] = phase.duration
         mine = [c for c in calls if phase.start <= c[0].start <= phase.end]
         compute = sum(_busiest(workers, send.start, wait.end) for _, send, wait, _ in mine)
+        if not mine:  # a call with no batch (the weight sync): its ranks' spans in the phase
+            compute = _busiest(workers, phase.start, phase.end)
         out.phase_compute[phase.name] = compute
         out.calls += len(mine)
         in_calls = 0.0
@@ -144,7 +146,10 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
             in_calls += plan.duration + send.duration + wait.duration + merge.duration
         src["wait - compute"] += sum(c[2].duration for c in mine) - compute
         rest = phase.duration - in_calls  # the driver's own work in the phase
-        src["weight sync" if phase.name == "weight_sync" else "driver"] += rest
+        if phase.name == "weight_sync":  # its call's cost beyond the ranks' own spans
+            src["weight sync"] += phase.duration - compute
+        else:
+            src["driver"] += rest
     src[BETWEEN] = out.step - sum(out.wall.values())
     out.sources = src
     matched = sum(out.phase_compute.values())

@@ -4,8 +4,9 @@
 shard once: a shard that several ranks read (the tensor-parallel replicas of one DP shard) is
 stored once (`group.put`: the Ray object store, or nothing to do in-process) and the *same
 handle* goes to each of them, instead of the driver serialising it tp times (verl's
-`DP_COMPUTE` pickles the batch per call); a shard that one rank reads goes inside its call. It returns the answers of the collect ranks (one per
-shard, in shard order), ready for `plan.restore`.
+`DP_COMPUTE` pickles the batch per call); a shard that one rank reads goes inside its call.
+It returns the answers of the collect ranks (one per shard, in shard order), ready for
+`plan.restore`.
 
 The worker's method receives a `Shard` and walks its micro-batches:
 

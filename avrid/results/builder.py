@@ -63,6 +63,12 @@ class ResultBuilder:
         """A builder for the shard a worker was sent."""
         return cls(identity, shard.batch, data_axis=data_axis)
 
+    @classmethod
+    def for_call(cls, identity: WorkerIdentity) -> ResultBuilder:
+        """A builder for a call that is sent no samples (a weight sync): its result carries
+        only spans and metrics, so it joins the step's timing and timeline like any other."""
+        return cls(identity, Batch.from_rows(sample_ids=[], prompt_lens=[], response_lens=[]))
+
     def span(self, name: str) -> AbstractContextManager[None]:
         """Time the enclosed work as a span called `name` (kept even if it raises)."""
         return timed(self._spans, name)

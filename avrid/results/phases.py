@@ -16,10 +16,11 @@ Not here: what a phase does (the trainer decides), and drawing (`timeline.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 from avrid.results.merge import Merged
-from avrid.results.result import Span, timed
+from avrid.results.result import Span, WorkerResult, timed
 from avrid.results.timeline import Timeline
 
 
@@ -30,6 +31,8 @@ class Phases:
         self.start = time.time()
         self.spans: list[Span] = []
         self.merged: list[Merged] = []
+        self.calls: list[tuple[WorkerResult, ...]] = []
+        """Every call's worker results: those of `merged`, then those `record`ed."""
 
     def __call__(self, name: str) -> AbstractContextManager[None]:
         """Time the phase `name` (a driver span on the timeline)."""
@@ -38,7 +41,14 @@ class Phases:
     def add(self, merged: Merged) -> Merged:
         """Keep a call's results for the timing and the timeline; returns it unchanged."""
         self.merged.append(merged)
+        self.calls.append(merged.results)
         return merged
+
+    def record(self, results: Sequence[WorkerResult]) -> Sequence[WorkerResult]:
+        """Keep the results of a call that sends no batch (the weight sync: each rank's
+        spans and metrics, `ResultBuilder.for_call`); returns them unchanged."""
+        self.calls.append(tuple(results))
+        return results
 
     def times(self) -> dict[str, float]:
         """time/<phase> seconds, time/step, and the share of the step that workers did not
@@ -46,9 +56,9 @@ class Phases:
         out = {f"time/{s.name}": s.end - s.start for s in self.spans}
         out["time/step"] = time.time() - self.start
         busy = 0.0
-        for m in self.merged:  # per call: the busiest rank's compute is the critical path
+        for call in self.calls:  # per call: the busiest rank's compute is the critical path
             per_rank: dict[str, float] = {}
-            for r in m.results:
+            for r in call:
                 per_rank[r.identity.name] = sum(s.end - s.start for s in r.spans)
             busy += max(per_rank.values(), default=0.0)
         out["time/compute"] = busy
@@ -57,6 +67,6 @@ class Phases:
 
     def timeline(self) -> Timeline:
         """The step's spans — every worker's and the driver's (phases, plan/send/wait/merge)."""
-        results = [r for m in self.merged for r in m.results]
+        results = [r for call in self.calls for r in call]
         driver = self.spans + [s for m in self.merged for s in m.driver_spans]
         return Timeline.from_results(results, driver_spans=driver)

@@ -59,7 +59,7 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.task import Task
 from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.ppo.setup.validate import check_paths, validate
-from avrid.results import Merged, Phases, Timeline, WorkerResult, run_shards
+from avrid.results import Merged, Phases, Timeline, WorkerResult, merge_metrics, run_shards
 from avrid.workers import Cluster, InProcessBackend, PlacementPlan, WorkerGroup
 
 
@@ -207,11 +207,12 @@ class Trainer:
                                         **self.sampling(step)))
         batch, merged = self.learn(step, with_responses(prompts, gen.batch), phases)
         if self.updates_actor(step):
-            with phases("weight_sync"):
-                sync = self.policy.call(PolicyWorker.sync_weights)
+            with phases("weight_sync"):  # a call with no batch: only spans and the bytes
+                sync = phases.record(self.policy.call(PolicyWorker.sync_weights))
         metrics = self._metrics(batch, [gen, *merged], phases)
         if self.updates_actor(step):
-            metrics["sync/bytes_per_rank"] = float(max(s.bytes_moved for s in sync))
+            reduced = merge_metrics(m for r in sync for m in r.metrics)
+            metrics.update({name: m.value for name, m in reduced.items()})
         self.timeline = phases.timeline()
         return metrics, batch
 

@@ -37,7 +37,7 @@ from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.forward import response_logprobs, train_shard
 from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
-from avrid.ppo.roles.weight_sync import SyncReport, WeightSync
+from avrid.ppo.roles.weight_sync import WeightSync
 from avrid.ppo.setup.config import PPOConfig
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
@@ -184,14 +184,19 @@ class PolicyWorker(TrainedWorker):
 
     # ---- weight sync, checks ---------------------------------------------------------------
 
-    def sync_weights(self) -> SyncReport:
-        """Actor shards -> this rank's engine (chapter 4), fingerprint-checked."""
-        self.engine.wake()
-        sink = engine_sink(self.engine, self.config)
-        group = self.process_group if self.identity.world_size > 1 else None
-        report = self.sync.run(fsdp.local_shards(self.model), sink, group, self.device)
-        self.engine.sleep()
-        return report
+    def sync_weights(self) -> WorkerResult:
+        """Actor shards -> this rank's engine (chapter 4), fingerprint-checked. The result
+        carries no samples: the span "weight_sync" for the timeline and the bytes this rank
+        received (``sync/bytes_per_rank``)."""
+        builder = ResultBuilder.for_call(self.identity)
+        with builder.span("weight_sync"):
+            self.engine.wake()
+            sink = engine_sink(self.engine, self.config)
+            group = self.process_group if self.identity.world_size > 1 else None
+            report = self.sync.run(fsdp.local_shards(self.model), sink, group, self.device)
+            self.engine.sleep()
+        builder.metric("sync/bytes_per_rank", report.bytes_moved, "max", per_rank=True)
+        return builder.build()
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the torch rollout engine's parameters and buffers (for checks: what
