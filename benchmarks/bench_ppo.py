@@ -73,6 +73,8 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import ray
+
 from avrid.ppo.data.prompts import step_indices
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.outputs.plots import PHASES
@@ -107,6 +109,8 @@ class StepBreakdown:
     phase_compute: dict[str, float] = field(default_factory=dict)
     sources: dict[str, float] = field(default_factory=dict)
     calls: int = 0
+    call_overheads: list[float] = field(default_factory=list)
+    """Per run_shards call: plan + send + wait + merge minus its busiest rank's compute."""
     pick_prompts: float = 0.0
     """`data.step_indices` for this step, timed again on its own (part of "between phases")."""
     tokens: int = 0
@@ -140,6 +144,8 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
         out.calls += len(mine)
         in_calls = 0.0
         for plan, send, wait, merge in mine:
+            out.call_overheads.append(plan.duration + send.duration + wait.duration
+                                      + merge.duration - _busiest(workers, send.start, wait.end))
             src["plan"] += plan.duration
             src["send"] += send.duration
             src["merge"] += merge.duration
@@ -270,6 +276,37 @@ def report(m: Measurement, *, judged: bool) -> float:
     return share
 
 
+def bare_fan_out_ms(workers: int, calls: int = 300) -> float:
+    """Median latency of a bare Ray fan-out (`ray.get` of a no-op on each of `workers` plain
+    actors, one per bundle, as `bench_workers.py` measures it), in this run's Ray."""
+    from bench_workers import start_bare, time_block
+    from ray.util.placement_group import remove_placement_group
+
+    actors, pg = start_bare(workers)
+    try:
+        def fan_out() -> None:
+            ray.get([a.noop.remote() for a in actors])
+
+        time_block(fan_out, 20)  # warm-up
+        return statistics.median(time_block(fan_out, calls)) / 1000
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+
+
+def report_calls(m: Measurement, bare_ms: float) -> None:
+    """The fixed cost of one phase call against a bare Ray fan-out to as many workers."""
+    per_call = [o for b in m.steps for o in b.call_overheads]
+    if not per_call:
+        return
+    mine = _median(per_call) * 1000
+    print(f"fixed overhead per phase call ({m.name}, median over {len(per_call)} calls: "
+          f"plan + send + wait + merge - busiest compute) {mine:.2f} ms vs a bare Ray fan-out "
+          f"to {m.config.placement.actor_dp} workers {bare_ms:.2f} ms: {mine / bare_ms:.1f}x "
+          f"(target <= 2x)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="measured small-cpu steps (5)")
@@ -290,14 +327,17 @@ def main() -> int:
                         args.warmup)
         if not args.no_contrast:
             tiny = measure("tiny-ppo", [], args.contrast_steps, args.warmup)
+        bare = {n: bare_fan_out_ms(n) for n in {small.config.placement.actor_dp,
+                                                 *([] if args.no_contrast
+                                                   else [tiny.config.placement.actor_dp])}}
     finally:
-        import ray
-
         ray.shutdown()
     share = report(small, judged=True)
+    report_calls(small, bare[small.config.placement.actor_dp])
     ok = small.error is None and bool(small.steps)
     if not args.no_contrast:
         tiny_share = report(tiny, judged=False)
+        report_calls(tiny, bare[tiny.config.placement.actor_dp])
         ok = ok and tiny.error is None and bool(tiny.steps)
         print(f"\ntiny-ppo overhead {tiny_share:.1%} vs small-cpu {share:.1%}: with a tiny "
               f"model the fixed cost per call dominates the step")
