@@ -74,9 +74,9 @@ class _InFlight:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Push:
-    """A weight push posted to both pools and not yet checked."""
+    """A weight push posted to both pools and not yet checked (each rollout rank reports the
+    version it received in its `Received`)."""
 
-    version: int
     submitted: float
     sent: PendingCall  # per trainer rank: (partial fingerprints, start, end)
     got: PendingCall  # per rollout rank: `Received`
@@ -280,7 +280,7 @@ class PipelinedTrainer(Trainer):
             raise StalenessError("a weight push was started while a generation is in flight")
         self._settle_push(wait=True)  # the previous push, long finished: check it first
         self._pushing = _Push(
-            version=self.trainer_version, submitted=time.time(),
+            submitted=time.time(),
             sent=self.policy.submit(self.policy_worker.push_weights),
             got=self.rollout.submit(self.rollout_worker.receive_weights, self.trainer_version))
         self.rollout_version = self.trainer_version
