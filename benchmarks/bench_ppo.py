@@ -33,11 +33,15 @@ passes, computing the metrics).
 What overhead counts, and where the script shows it going (``run_shards``'s driver spans):
 
     plan       making the chapter 2 dispatch plan
-    send       splitting the batch into shards, ``ray.put`` of each, submitting the calls
+    split      cutting the batch into one shard per rank
+    submit     calling every rank (Ray serialises each shard into its call here; a shard
+               that several TP ranks read would be ``ray.put`` once: none here)
     wait - compute   the rest of each call's wait beyond its busiest rank's compute: Ray's
-               transport (task submission, (de)serialising shards and `WorkerResult`s), and
-               worker-side time outside spans (unpacking the shard, building the result and
-               its metrics, the method call itself)
+               transport (dispatching the call, deserialising the shard, serialising the
+               `WorkerResult` and sending it back) and the worker's own handling of the call
+               outside compute spans (its ``unpack`` and ``pack`` spans, and its Python
+               between compute spans)
+    receive    fetching and deserialising every rank's `WorkerResult` on the driver
     merge      checking and merging the canonical results on the driver
     driver     driver work inside phases but outside `run_shards`: attaching columns to the
                batch, GAE / group advantages (the whole ``advantages`` phase)
@@ -50,6 +54,16 @@ What is not counted as overhead: anything inside a worker span, including FSDP's
 and reduce-scatters and any rank waiting for another in them, and the rollout engine's
 wake/sleep (inside the ``generate`` span). What is not measured at all: cluster start-up (it
 is printed, not judged), validation, checkpoints, metric logging.
+
+Then one call, stage by stage (medians over every call of the measured steps): the driver's
+plan, split and submit; for the rank that answered last (its reply ends the driver's wait),
+transport in (the end of ``submit`` to the start of its ``unpack``: Ray's dispatch and the
+shard's deserialisation), ``unpack``, its work between compute spans, ``pack``, transport out
+(the end of ``pack`` to the end of ``wait``: the result's serialisation and return); the
+driver's receive and merge. The same spans are in the run's timeline (`trainer.timeline`), so
+a user sees them there. The call's fixed overhead (its six driver spans minus its busiest
+rank's compute) is printed against a bare Ray fan-out (a no-op on as many plain actors, one
+per bundle, as `bench_workers.py` measures it) timed in the same run; the target is <= 2x.
 
 For contrast the same is printed for ``tiny-ppo`` (a 2-layer, 64-wide model): there the
 models are so small that orchestration dominates the step. That is expected and is why the
@@ -81,14 +95,19 @@ from avrid.ppo.outputs.plots import PHASES
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
-from avrid.results import Timeline
+from avrid.results import Span, Timeline, compute_seconds
+from avrid.results.result import PACK, UNPACK
 from avrid.results.timeline import DRIVER, Lane
 
 TARGET_OVERHEAD = 0.10  # on small-cpu: orchestration <= 10 % of a step
-CALL_SPANS = ("plan", "send", "wait", "merge")  # run_shards' driver spans, in order
+CALL_SPANS = ("plan", "split", "submit", "wait", "receive", "merge")  # run_shards', in order
 BETWEEN = "(between phases)"
 # Where the overhead goes, in the order printed; their sum is step - compute.
-SOURCES = ("plan", "send", "wait - compute", "merge", "driver", "weight sync", BETWEEN)
+SOURCES = ("plan", "split", "submit", "wait - compute", "receive", "merge", "driver",
+           "weight sync", BETWEEN)
+# One call's stages in the order they happen (the critical rank's between submit and wait).
+STAGES = ("plan", "split", "submit", "transport in", "unpack", "between spans", "pack",
+          "transport out", "receive", "merge")
 BENCH_OVERRIDES = ("train.progress=false",)
 # small-cpu as the preset has it, with twice the responses per prompt and a mini-batch twice as
 # large: the same 8 calls per step carry twice the tokens, so the fixed cost of a call (and of
@@ -110,7 +129,9 @@ class StepBreakdown:
     sources: dict[str, float] = field(default_factory=dict)
     calls: int = 0
     call_overheads: list[float] = field(default_factory=list)
-    """Per run_shards call: plan + send + wait + merge minus its busiest rank's compute."""
+    """Per run_shards call: its six driver spans minus its busiest rank's compute."""
+    call_stages: list[dict[str, float]] = field(default_factory=list)
+    """Per run_shards call: seconds of each of `STAGES`."""
     pick_prompts: float = 0.0
     """`data.step_indices` for this step, timed again on its own (part of "between phases")."""
     tokens: int = 0
@@ -129,28 +150,30 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
     phases = [s for s in driver.spans if s.name in PHASES]
     call_spans = sorted((s for s in driver.spans if s.name in CALL_SPANS),
                         key=lambda s: s.start)
-    calls = [call_spans[i:i + 4] for i in range(0, len(call_spans), 4)]
+    n = len(CALL_SPANS)
+    calls = [call_spans[i:i + n] for i in range(0, len(call_spans), n)]
     if any(tuple(s.name for s in c) != CALL_SPANS for c in calls):
-        raise RuntimeError(f"driver spans are not plan/send/wait/merge sequences: "
+        raise RuntimeError(f"driver spans are not {'/'.join(CALL_SPANS)} sequences: "
                            f"{[s.name for s in call_spans]}")
     src = dict.fromkeys(SOURCES, 0.0)
     for phase in phases:
         out.wall[phase.name] = phase.duration
         mine = [c for c in calls if phase.start <= c[0].start <= phase.end]
-        compute = sum(_busiest(workers, send.start, wait.end) for _, send, wait, _ in mine)
+        compute = sum(_busiest(workers, c[2].start, c[3].end) for c in mine)
         if not mine:  # a call with no batch (the weight sync): its ranks' spans in the phase
             compute = _busiest(workers, phase.start, phase.end)
         out.phase_compute[phase.name] = compute
         out.calls += len(mine)
         in_calls = 0.0
-        for plan, send, wait, merge in mine:
-            out.call_overheads.append(plan.duration + send.duration + wait.duration
-                                      + merge.duration - _busiest(workers, send.start, wait.end))
-            src["plan"] += plan.duration
-            src["send"] += send.duration
-            src["merge"] += merge.duration
-            in_calls += plan.duration + send.duration + wait.duration + merge.duration
-        src["wait - compute"] += sum(c[2].duration for c in mine) - compute
+        for call in mine:
+            spent = sum(s.duration for s in call)
+            out.call_overheads.append(spent - _busiest(workers, call[2].start, call[3].end))
+            out.call_stages.append(call_stages(call, workers))
+            for s in call:
+                if s.name != "wait":
+                    src[s.name] += s.duration
+            in_calls += spent
+        src["wait - compute"] += sum(c[3].duration for c in mine) - compute
         rest = phase.duration - in_calls  # the driver's own work in the phase
         if phase.name == "weight_sync":  # its call's cost beyond the ranks' own spans
             src["weight sync"] += phase.duration - compute
@@ -165,9 +188,27 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
     return out
 
 
+def call_stages(call: Sequence[Span], workers: Sequence[Lane]) -> dict[str, float]:
+    """One call's `STAGES`: the driver's spans, and the rank that answered last (whose reply
+    ends the driver's wait) from the end of ``submit`` to the end of ``wait``: transport in,
+    its ``unpack``, its own work between compute spans, its ``pack``, transport out."""
+    plan, split, submit, wait, receive, merge = call
+    ranks = [[s for s in lane.spans if s.start >= submit.start and s.end <= wait.end]
+             for lane in workers]
+    last = max((r for r in ranks if r), key=lambda r: max(s.end for s in r))
+    unpack = next(s for s in last if s.name == UNPACK)
+    pack = next(s for s in last if s.name == PACK)
+    between = (pack.start - unpack.end) - compute_seconds(last)
+    return {"plan": plan.duration, "split": split.duration, "submit": submit.duration,
+            "transport in": unpack.start - submit.end, "unpack": unpack.duration,
+            "between spans": between, "pack": pack.duration,
+            "transport out": wait.end - pack.end, "receive": receive.duration,
+            "merge": merge.duration}
+
+
 def _busiest(workers: Sequence[Lane], start: float, end: float) -> float:
-    """The largest per-worker sum of span seconds inside [start, end] (one call's ranks)."""
-    return max((sum(s.duration for s in lane.spans if s.start >= start and s.end <= end)
+    """The largest per-worker compute seconds inside [start, end] (one call's ranks)."""
+    return max((compute_seconds(s for s in lane.spans if s.start >= start and s.end <= end)
                 for lane in workers), default=0.0)
 
 
@@ -296,15 +337,22 @@ def bare_fan_out_ms(workers: int, calls: int = 300) -> float:
 
 
 def report_calls(m: Measurement, bare_ms: float) -> None:
-    """The fixed cost of one phase call against a bare Ray fan-out to as many workers."""
+    """One phase call stage by stage, and its fixed cost against a bare Ray fan-out."""
     per_call = [o for b in m.steps for o in b.call_overheads]
     if not per_call:
         return
+    stages = [c for b in m.steps for c in b.call_stages]
+    print(f"one run_shards call, stage by stage (median ms over {len(stages)} calls; the "
+          f"worker's stages are the last rank to answer's):")
+    for who, names in (("driver", STAGES[:3]), ("worker", STAGES[3:8]),
+                       ("driver", STAGES[8:])):
+        print(f"  {who:<7}" + "".join(f"{n} {_median([c[n] for c in stages]) * 1000:.2f}  "
+                                      for n in names))
     mine = _median(per_call) * 1000
     print(f"fixed overhead per phase call ({m.name}, median over {len(per_call)} calls: "
-          f"plan + send + wait + merge - busiest compute) {mine:.2f} ms vs a bare Ray fan-out "
-          f"to {m.config.placement.actor_dp} workers {bare_ms:.2f} ms: {mine / bare_ms:.1f}x "
-          f"(target <= 2x)")
+          f"plan + split + submit + wait + receive + merge - busiest compute) {mine:.2f} ms vs "
+          f"a bare Ray fan-out to {m.config.placement.actor_dp} workers {bare_ms:.2f} ms: "
+          f"{mine / bare_ms:.1f}x (target <= 2x)")
 
 
 def main() -> int:

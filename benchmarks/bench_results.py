@@ -20,8 +20,8 @@ and the token-weighted sum of them as a metric.
 
     avrid     ``run_shards(group, BenchWorker.new_logprobs, batch, DispatchConfig())`` on a
               RayBackend group of 8 single-CPU ranks (dp = 8): make the plan (Karmarkar–Karp
-              over token counts), split the packed batch into 8 shards, ``ray.put`` each shard
-              once, call every rank, gather the 8 `WorkerResult`s (built with `ResultBuilder`,
+              over token counts), split the packed batch into 8 shards, send each inside its
+              rank's call (Ray serialises it once, into the call), gather the 8 `WorkerResult`s (built with `ResultBuilder`,
               the output a packed column), and merge them — ids checked, original order
               restored, metric reduced.
     padded    the path of a single-controller framework that carries padded batches, modelled
@@ -44,14 +44,14 @@ Fairness: both sides use 8 single-CPU actors, one per bundle of an 8-bundle PACK
 group, on the same Ray instance; they do the same arithmetic on the same tokens; and the
 padded batch is made once, before timing (a padded framework holds its batch padded from
 generation on), so padding is *not* charged to the baseline's step — its time is printed
-apart. Everything else the driver does is in its step: avrid's planning, splitting, puts,
+apart. Everything else the driver does is in its step: avrid's planning, splitting, calls,
 gathering and merge; the baseline's pickling, sends, gathering, unpickling and concatenation.
 Both sides' outputs are checked to agree exactly once, outside the timed steps.
 
-How bytes are counted. avrid: on one extra, untimed step the group's ``put`` is wrapped to
-record, for each shard it stores, ``total_bytes`` of Ray's own serialisation of it (the same
-``SerializationContext.serialize`` that ``ray.put`` runs); what comes back is each
-`WorkerResult` serialised the same way. The shards are a partition of the batch, so outbound /
+How bytes are counted. avrid: after one extra, untimed step, the step's plan splits the batch
+again and each shard's ``total_bytes`` under Ray's own serialisation is added (the same
+``SerializationContext.serialize`` that Ray runs on a call's arguments); what comes back is
+each `WorkerResult` serialised the same way. The shards are a partition of the batch, so outbound /
 batch bytes is ~1.0 plus pickle framing (a few hundred bytes per tensor); the target is
 outbound <= 1.01 x the batch's own bytes ("moved once"). Baseline: the lengths of the pickled
 payloads the driver makes and of those it receives (Ray stores ``bytes`` arguments as they are,
@@ -61,8 +61,9 @@ Timing: one step per side per repeat, the order rotated every repeat so no side 
 first; after one untimed warm-up step per side. Medians are reported, and the speedup is the
 median over repeats of each repeat's padded/avrid time ratio (with its min and max). Where the
 driver's time goes is printed beside it: for avrid, `run_shards`'s own driver spans (plan;
-send = split the batch into shards, ``ray.put`` them, submit; wait = the workers' run and the
-gather; merge = checks, order restored, metrics); for the baselines, send (pickle and submit),
+split = cut the batch into shards; submit = call every rank, Ray serialising each shard;
+wait = the workers' run; receive = fetching and deserialising the results; merge = checks,
+order restored, metrics); for the baselines, send (pickle and submit),
 wait (``ray.get``) and merge (unpickle and concatenate).
 
 Memory: the padded batch is ~1.4 x the packed one (~120 MB at the defaults) and is pickled 8
@@ -91,7 +92,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from avrid.dispatch import Batch, DispatchConfig, Packed, Shard
+from avrid.dispatch import Batch, DispatchConfig, Packed, Shard, make_plan
 from avrid.results import Merged, ResultBuilder, WorkerResult, run_shards
 from avrid.workers import (
     Mesh,
@@ -257,23 +258,15 @@ def padded_step(actors: list[Any], padded: dict[str, torch.Tensor], chunked: boo
 
 
 def avrid_bytes(group: Any, batch: Batch) -> tuple[int, int, Merged]:
-    """One untimed avrid step with the group's `put` wrapped to record Ray's serialised size
-    of every shard it stores; the results are serialised the same way."""
+    """One untimed avrid step, and the bytes of Ray's serialisation of what it sent (each
+    shard of the step's plan, as it goes inside its rank's call) and got back (each
+    `WorkerResult`)."""
     context = ray._private.worker.global_worker.get_serialization_context()
-    sizes: list[int] = []
-    put = group.put
-
-    def counting_put(value: Any) -> Any:
-        sizes.append(context.serialize(value).total_bytes)
-        return put(value)
-
-    group.put = counting_put  # an instance attribute, shadowing the method for one step
-    try:
-        merged = avrid_step(group, batch)
-    finally:
-        del group.put
+    merged = avrid_step(group, batch)
+    plan = make_plan(batch, group.world_size, DispatchConfig())  # the step's plan, again
+    out = sum(context.serialize(shard).total_bytes for shard in plan.split(batch))
     back = sum(context.serialize(r).total_bytes for r in merged.results)
-    return sum(sizes), back, merged
+    return out, back, merged
 
 
 def check_same(batch: Batch, merged: Merged, base: dict[str, Any]) -> str:

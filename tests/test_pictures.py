@@ -32,7 +32,8 @@ from chapters.ch04_resharding.figure import (
 
 T0 = 1_700_000_000.0
 GRPO_PHASES = [p for p in PHASES if p not in ("ref_logp", "values", "critic_update")]
-DRIVER_CALLS = ("plan", "send", "wait", "merge")
+DRIVER_CALLS = ("plan", "split", "submit", "wait", "receive", "merge")
+WORKER_HANDLING = ("unpack", "pack")
 
 
 def rows(phases: list[str], steps: int = 3) -> list[dict]:
@@ -72,9 +73,10 @@ def step_timeline(phases: list[str], extra: str | None = None) -> Timeline:
     driver, work = [], []
     for i, p in enumerate(phases):
         a = 10.0 * i
-        driver += spans((p, a, a + 9), ("plan", a, a + 1), ("send", a + 1, a + 2),
-                        ("wait", a + 2, a + 8), ("merge", a + 8, a + 9))
-        work.append((p, a + 2.5, a + 7.5))
+        driver += spans((p, a, a + 9), ("plan", a, a + 1), ("split", a + 1, a + 1.5),
+                        ("submit", a + 1.5, a + 2), ("wait", a + 2, a + 8),
+                        ("receive", a + 8, a + 8.5), ("merge", a + 8.5, a + 9))
+        work += [("unpack", a + 2.2, a + 2.5), (p, a + 2.5, a + 7.5), ("pack", a + 7.5, a + 7.8)]
     if extra:
         work.append((extra, 0.0, 1.0))
     return Timeline.from_results([worker("actor", 0, *work)], driver_spans=driver)
@@ -104,16 +106,16 @@ def test_a_phase_has_one_colour_in_every_chart_ppo_and_grpo() -> None:
     assert ppo == {p: span_color(p) for p in PHASES}
     for phases, bars in ((list(PHASES), ppo), (GRPO_PHASES, grpo)):
         gantt = gantt_colours(step_timeline(phases))
-        assert set(gantt) == set(phases) | set(DRIVER_CALLS)
+        assert set(gantt) == set(phases) | set(DRIVER_CALLS) | set(WORKER_HANDLING)
         assert all(gantt[p] == bars[p] for p in phases)  # phases.png == timeline.png
-        assert all(gantt[c] == SPAN_COLORS[c] for c in DRIVER_CALLS)
+        assert all(gantt[c] == SPAN_COLORS[c] for c in DRIVER_CALLS + WORKER_HANDLING)
     assert len(set(ppo.values())) == len(PHASES)
 
 
 def test_fixed_colours_are_pairwise_distinct_and_unknown_names_avoid_them() -> None:
     fixed = dict(SPAN_COLORS)
-    assert set(PHASES) | set(DRIVER_CALLS) | {"forward", "forward_backward", "optimizer"} \
-        <= fixed.keys()
+    assert set(PHASES) | set(DRIVER_CALLS) | set(WORKER_HANDLING) \
+        | {"forward", "forward_backward", "optimizer"} <= fixed.keys()
     for (a, ca), (b, cb) in itertools.combinations(fixed.items(), 2):
         assert math.dist(rgb(ca), rgb(cb)) >= MIN_DISTANCE, (a, ca, b, cb)
     for u, c in itertools.product(UNKNOWN_COLORS, fixed.values()):
@@ -140,11 +142,11 @@ def test_an_unknown_name_keeps_its_colour_whatever_else_is_drawn() -> None:
 
 
 def test_the_driver_row_says_own_work_and_waiting() -> None:
-    # Window 0-5 s. Driver: generate 0-4 holding plan 0.25 + send 0.25 + wait 3.0 + merge 0.5,
+    # Window 0-5 s. Driver: generate 0-4 holding plan 0.25 + split 0.25 + wait 3.0 + merge 0.5,
     # then advantages 4-4.5, nothing 4.5-5: own work 1.5 s (30%), waiting 3.0 s (60%).
     tl = Timeline.from_results(
         [worker("actor", 0, ("generate", 0.5, 3.4), ("forward_backward", 4.5, 5.0))],
-        driver_spans=spans(("generate", 0.0, 4.0), ("plan", 0.0, 0.25), ("send", 0.25, 0.5),
+        driver_spans=spans(("generate", 0.0, 4.0), ("plan", 0.0, 0.25), ("split", 0.25, 0.5),
                            ("wait", 0.5, 3.5), ("merge", 3.5, 4.0), ("advantages", 4.0, 4.5)))
     u = tl.utilization()
     assert u["driver"].busy == pytest.approx(4.5) and u["driver"].waiting == pytest.approx(3.0)
@@ -204,7 +206,7 @@ def test_chapter6_stacks_timelines_on_one_time_scale(tmp_path: Path) -> None:
     assert [t.get_text() for t in bottom.get_yticklabels()] == [
         "driver (phases)", "policy[0]", "rollout[0]"]
     assert top.get_xlim() == bottom.get_xlim() == (0.0, 4.0)  # one scale: the longer one
-    # The driver row shows phases only (no plan/send/wait/merge), each in its own colour.
+    # The driver row shows phases only (no plan/split/submit/wait/receive/merge), each in its own colour.
     drawn = {to_hex(p.get_facecolor()) for p in bottom.patches}
     assert {span_color("weight_push"), span_color("generate")} <= drawn
     assert span_color("plan") not in {to_hex(p.get_facecolor()) for p in top.patches}

@@ -32,4 +32,5 @@ def test_round_trip_in_a_dp_x_tp_group(backend: Backend, strategy: str) -> None:
     assert all(r.spans for r in merged.results)  # every rank reports its spans
     assert merged.metrics["workers"].value == 4  # a per-rank metric, from every rank
     assert merged.metrics["num_tokens"].value == int(batch.total_lens.sum())
-    assert [s.name for s in merged.driver_spans] == ["plan", "send", "wait", "merge"]
+    assert [s.name for s in merged.driver_spans] == ["plan", "split", "submit", "wait",
+                                                   "receive", "merge"]

@@ -27,13 +27,19 @@ from avrid.dispatch.partition import (
 if TYPE_CHECKING:  # what type checkers and editors see; at run time `__getattr__` loads these
     from avrid.dispatch.batch import Batch, Packed
     from avrid.dispatch.plan import DispatchConfig, DispatchPlan, Shard, make_plan
-    from avrid.dispatch.send import dispatch, send_shards, submit_shards
+    from avrid.dispatch.send import (
+        dispatch,
+        send_shards,
+        shard_arguments,
+        submit_per_rank,
+        submit_shards,
+    )
 
 __all__ = [
     "Batch", "CostModel", "DispatchConfig", "DispatchPlan", "FlopCost", "FunctionCost",
     "Packed", "Partition", "Shard", "TokenCost", "check_costs", "contiguous", "dispatch",
     "greedy_lpt", "karmarkar_karp", "make_plan", "micro_batches", "min_micro_batches",
-    "partition", "send_shards", "submit_shards",
+    "partition", "send_shards", "shard_arguments", "submit_per_rank", "submit_shards",
 ]
 
 _NEEDS_TORCH = {
@@ -41,7 +47,8 @@ _NEEDS_TORCH = {
     "DispatchConfig": "avrid.dispatch.plan", "DispatchPlan": "avrid.dispatch.plan",
     "Shard": "avrid.dispatch.plan", "make_plan": "avrid.dispatch.plan",
     "dispatch": "avrid.dispatch.send", "send_shards": "avrid.dispatch.send",
-    "submit_shards": "avrid.dispatch.send",
+    "submit_shards": "avrid.dispatch.send", "shard_arguments": "avrid.dispatch.send",
+    "submit_per_rank": "avrid.dispatch.send",
 }
 """The public names whose module imports torch, and that module."""
 

@@ -57,7 +57,15 @@ from avrid.ppo.data.columns import padded, response_mask, with_responses
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import check_same, combine
-from avrid.results import Merged, Phases, ShardCall, Span, Timeline, start_shards
+from avrid.results import (
+    HANDLING_SPANS,
+    Merged,
+    Phases,
+    ShardCall,
+    Span,
+    Timeline,
+    start_shards,
+)
 from avrid.workers import PendingCall, PlacementPlan, WorkerError
 
 
@@ -345,10 +353,12 @@ class PipelinedTrainer(Trainer):
         """The share of this step in which rollout ranks generated while trainer ranks
         computed; a generation still in flight counts from its launch until now."""
         now = time.time()
-        gen = [(s.start, s.end) for m in self._collected for r in m.results for s in r.spans]
+        gen = [(s.start, s.end) for m in self._collected for r in m.results for s in r.spans
+               if s.name not in HANDLING_SPANS]
         if self._inflight is not None:
             gen.append((self._inflight.launched, now))
-        train = [(s.start, s.end) for m in phases.merged for r in m.results for s in r.spans]
+        train = [(s.start, s.end) for m in phases.merged for r in m.results for s in r.spans
+                 if s.name not in HANDLING_SPANS]
         return overlap_fraction(gen, train, (phases.start, now))
 
     def _timeline(self, phases: Phases) -> Timeline:

@@ -11,20 +11,22 @@ from avrid.results.builder import ResultBuilder, is_collect_rank
 from avrid.results.merge import Merged, merge
 from avrid.results.phases import Phases
 from avrid.results.result import (
+    HANDLING_SPANS,
     REDUCTIONS,
     RESULT_VERSION,
     Metric,
     Reduction,
     Span,
     WorkerResult,
+    compute_seconds,
     merge_metrics,
 )
 from avrid.results.run import ShardCall, run_shards, start_shards
 from avrid.results.timeline import Lane, Timeline, Utilization, atomic_write, palette
 
 __all__ = [
-    "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Phases", "Reduction",
+    "HANDLING_SPANS", "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Phases", "Reduction",
     "ResultBuilder", "ShardCall", "Span", "Timeline", "Utilization", "WorkerResult",
-    "atomic_write", "is_collect_rank", "merge", "merge_metrics", "palette", "run_shards",
+    "atomic_write", "compute_seconds", "is_collect_rank", "merge", "merge_metrics", "palette", "run_shards",
     "start_shards",
 ]

@@ -14,12 +14,16 @@ strategy cannot leak into what the driver sees:
     return builder.build()
 
 On a non-collect rank (a tensor-parallel replica with tp != 0) `build` drops the outputs and
-keeps spans and metrics: its collect peer returns the same rows. This file runs inside workers;
+keeps spans and metrics: its collect peer returns the same rows. Besides the spans the worker
+times, `build` adds two of its own: ``unpack`` (from the builder's creation, when the method
+has its shard, to the first span) and ``pack`` (from the last span to the result built), the
+worker's side of the call's orchestration cost (`result.HANDLING_SPANS`). This file runs inside workers;
 it does not merge (`merge.py`) or draw (`timeline.py`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 
@@ -27,7 +31,9 @@ import torch
 
 from avrid.dispatch import Batch, Packed, Shard
 from avrid.results.result import (
+    PACK,
     RESULT_VERSION,
+    UNPACK,
     Metric,
     Reduction,
     Span,
@@ -56,6 +62,9 @@ class ResultBuilder:
         self._parts: list[Batch] = []
         self._metrics: dict[str, Metric] = {}
         self._spans: list[Span] = []
+        # The method has its arguments (Ray deserialised them before calling it): from here
+        # to the first compute span is the worker's own unpacking of the call.
+        self._created = time.time()
 
     @classmethod
     def for_shard(cls, identity: WorkerIdentity, shard: Shard, *,
@@ -129,9 +138,17 @@ class ResultBuilder:
                            else Batch.concat(self._parts))
                 if not torch.equal(outputs.sample_ids, self._batch.sample_ids):
                     outputs = outputs.select(self._batch.sample_ids)  # the order sent
+        # Around the compute spans, the call's handling on this side: `unpack` before the
+        # first, `pack` after the last (all of it is `unpack` in a call that timed nothing).
+        done = time.time()
+        first = min((s.start for s in self._spans), default=done)
+        last = max((s.end for s in self._spans), default=done)
+        handling = (Span(name=UNPACK, start=self._created, end=max(first, self._created)),
+                    Span(name=PACK, start=last, end=max(done, last)))
         return WorkerResult(version=RESULT_VERSION, identity=self.identity,
                             sample_ids=self._batch.sample_ids, outputs=outputs,
-                            metrics=tuple(self._metrics.values()), spans=tuple(self._spans))
+                            metrics=tuple(self._metrics.values()),
+                            spans=(*self._spans, *handling))
 
 
 def _check_exactly_once(identity: WorkerIdentity, sent: torch.Tensor,

@@ -6,11 +6,12 @@ colour, which shifts as soon as a run has one phase fewer — GRPO has no ``valu
 name, once, here:
 
 - **fixed colours** for the names the course draws: the trainer's phases (chapter 5), the
-  driver's `run_shards` spans (plan, send, wait, merge) and the worker spans of the course's
-  workers (forward, forward_backward, optimizer). They are 16 of matplotlib's 20 ``tab20``
-  colours; the 4 left out (light blue, light orange, light purple, light grey) are each too
-  close to one that is kept. Every pair of fixed colours is at least `MIN_DISTANCE` apart in
-  RGB, checked by the tests;
+  driver's `run_shards` spans (plan, split, submit, wait, receive, merge), the worker spans of
+  the course's workers (forward, forward_backward, optimizer) and every worker's call handling
+  (unpack, pack). Most are matplotlib's ``tab20`` colours (the 4 left out, light blue, light
+  orange, light purple and light grey, are each too close to one that is kept), the rest
+  come from ``tab20c``, ``Set2`` and ``Dark2``. Every pair of fixed colours is at least
+  `MIN_DISTANCE` apart in RGB, checked by the tests;
 - **unknown names** get a colour from `UNKNOWN_COLORS`, picked by a stable hash of the name
   (CRC-32, not Python's `hash`, which changes between processes): the same name has the same
   colour in every run and every chart, whatever else is drawn. These 7 colours come from
@@ -32,9 +33,13 @@ The fixed assignment, and why (a family of related spans shares a hue family):
     weight_sync     cyan          trainer -> rollout engine (chapter 4)
     forward         light cyan    a worker's forward pass (chapter 3's example worker)
     plan            orange        the driver plans the dispatch (chapter 2) ...
-    send            light olive   ... stores and sends the shards ...
+    split           light olive   ... cuts the batch into shards ...
+    submit          amber         ... calls every rank (Ray serialises the shards) ...
     wait            grey          ... waits for every rank: not the driver's own work ...
-    merge           light brown   ... and merges the results (chapter 3)
+    receive         teal          ... fetches their results ...
+    merge           light brown   ... and merges them (chapter 3)
+    unpack          salmon        a worker's handling of a call before its compute ...
+    pack            lime          ... and after it, up to its result built
 
 Colours are hex strings, which matplotlib takes anywhere a colour goes; this file does not
 import matplotlib (a dev/notebook dependency).
@@ -66,9 +71,14 @@ SPAN_COLORS: Mapping[str, str] = MappingProxyType({
     "optimizer": "#f7b6d2",         # 13 light pink
     # the driver's run_shards spans
     "plan": "#ff7f0e",              # 2  orange
-    "send": "#dbdb8d",              # 17 light olive
+    "split": "#dbdb8d",             # 17 light olive
+    "submit": "#e6ab02",            # Dark2 5: amber
     "wait": "#7f7f7f",              # 14 grey
+    "receive": "#66c2a5",           # Set2 0: teal
     "merge": "#c49c94",             # 11 light brown
+    # a worker's handling of a call around its compute spans (ResultBuilder adds them)
+    "unpack": "#fc8d62",            # Set2 1: salmon
+    "pack": "#a6d854",              # Set2 4: lime
 })
 """Name -> colour of every name the course draws; see the module docstring for the choice."""
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 from avrid.results.merge import Merged
-from avrid.results.result import Span, WorkerResult, timed
+from avrid.results.result import Span, WorkerResult, compute_seconds, timed
 from avrid.results.timeline import Timeline
 
 
@@ -58,15 +58,16 @@ class Phases:
         busy = 0.0
         for call in self.calls:  # per call: the busiest rank's compute is the critical path
             per_rank: dict[str, float] = {}
-            for r in call:
-                per_rank[r.identity.name] = sum(s.end - s.start for s in r.spans)
+            for r in call:  # compute spans only: a rank's unpack / pack are orchestration
+                per_rank[r.identity.name] = compute_seconds(r.spans)
             busy += max(per_rank.values(), default=0.0)
         out["time/compute"] = busy
         out["time/overhead"] = max(0.0, 1.0 - busy / out["time/step"])
         return out
 
     def timeline(self) -> Timeline:
-        """The step's spans — every worker's and the driver's (phases, plan/send/wait/merge)."""
+        """The step's spans — every worker's (compute, unpack, pack) and the driver's (phases,
+        and each call's plan / split / submit / wait / receive / merge)."""
         results = [r for call in self.calls for r in call]
         driver = self.spans + [s for m in self.merged for s in m.driver_spans]
         return Timeline.from_results(results, driver_spans=driver)

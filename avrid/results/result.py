@@ -111,6 +111,21 @@ class Span:
         return self.end - self.start
 
 
+UNPACK = "unpack"
+"""A worker span `ResultBuilder` adds: from the builder's creation (the method has its
+shard, Ray has deserialised it) to the first compute span."""
+PACK = "pack"
+"""A worker span `ResultBuilder` adds: from the last compute span's end to the result built
+(its outputs checked and concatenated); Ray then serialises it and sends it back."""
+HANDLING_SPANS = frozenset({UNPACK, PACK})
+"""The worker's own handling of a call around its compute: orchestration, not compute."""
+
+
+def compute_seconds(spans: Iterable[Span]) -> float:
+    """Seconds of compute among a result's spans: every span but `HANDLING_SPANS`."""
+    return sum(s.end - s.start for s in spans if s.name not in HANDLING_SPANS)
+
+
 @contextmanager
 def timed(spans: list[Span], name: str) -> Iterator[None]:
     """Time the enclosed work and append it to `spans` as a span called `name` (kept even if
@@ -143,6 +158,8 @@ class WorkerResult:
     data (their tensor-parallel peer with tp=0 returns the same rows)."""
     metrics: tuple[Metric, ...] = ()
     spans: tuple[Span, ...] = ()
+    """The compute spans the worker timed (``builder.span``), then ``unpack`` and ``pack``
+    (`HANDLING_SPANS`): its handling of the call before and after them."""
 
     @property
     def is_collect(self) -> bool:

@@ -5,9 +5,16 @@ single-controller step for one role, with the driver's own time recorded as span
 timeline shows where the driver (not just the workers) spends a step:
 
     plan      make the chapter 2 dispatch plan
-    send      split, store each shard once, call every rank
-    wait      until every rank has answered (the bubbles live here)
+    split     cut the batch into one shard per DP rank (stored once when ranks share one)
+    submit    call every rank: Ray serialises each shard into its call here
+    wait      until every rank has answered (the workers' compute and the bubbles live here)
+    receive   fetch and deserialise every rank's `WorkerResult`
     merge     check and combine the canonical results
+
+Inside the call each rank records its own side (`ResultBuilder`): ``unpack`` before its first
+compute span, the compute spans, ``pack`` after the last; what lies between the driver's
+``submit`` and a rank's ``unpack`` is the transport in (Ray's dispatch and deserialising the
+shard), between its ``pack`` and the end of ``wait`` the transport out.
 
 `start_shards` is the same call cut in two — plan and send now, wait and merge on
 `.result()` — for a driver that keeps two groups busy at once.
@@ -22,7 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, make_plan, submit_shards
+from avrid.dispatch import (
+    Batch,
+    DispatchConfig,
+    DispatchPlan,
+    make_plan,
+    shard_arguments,
+    submit_per_rank,
+)
 from avrid.results.merge import Merged, merge
 from avrid.results.result import Span, WorkerResult
 from avrid.workers import PendingCall, WorkerGroup
@@ -57,8 +71,10 @@ def start_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch:
     if plan is None:
         plan = make_plan(batch, group.mesh.axis_size(axis), config)
     spans.append(Span(name="plan", start=t, end=(t := time.time())))
-    pending = submit_shards(group, method, plan, batch, *args, data_axis=axis, **kwargs)
-    spans.append(Span(name="send", start=t, end=time.time()))
+    per_rank = shard_arguments(group, plan, batch, data_axis=axis)
+    spans.append(Span(name="split", start=t, end=(t := time.time())))
+    pending = submit_per_rank(group, method, per_rank, *args, **kwargs)
+    spans.append(Span(name="submit", start=t, end=time.time()))
     return ShardCall(group=group, plan=plan, pending=pending, axis=axis, spans=spans)
 
 
@@ -71,7 +87,8 @@ class ShardCall:
     pending: PendingCall[WorkerResult]
     axis: str
     spans: list[Span]
-    """The driver's spans so far (plan, send); `result` adds wait and merge."""
+    """The driver's spans so far (plan, split, submit); `result` adds wait, receive and
+    merge."""
 
     def done(self) -> bool:
         """Whether every rank has answered (`result` would not wait)."""
@@ -80,8 +97,10 @@ class ShardCall:
     def result(self) -> Merged:
         """Wait for every rank (at most the group's call timeout) and merge, in batch order."""
         t = time.time()
-        results = self.pending.result(self.group.call_timeout_s)
+        self.pending.wait(self.group.call_timeout_s)
         self.spans.append(Span(name="wait", start=t, end=(t := time.time())))
+        results = self.pending.result()  # every rank has finished: this only fetches
+        self.spans.append(Span(name="receive", start=t, end=(t := time.time())))
         merged = merge(self.plan, results, data_axis=self.axis)
         self.spans.append(Span(name="merge", start=t, end=time.time()))
         return Merged(batch=merged.batch, metrics=merged.metrics, results=merged.results,

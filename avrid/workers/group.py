@@ -39,10 +39,17 @@ class Channel(Protocol):
         """Start ``method(*args, **kwargs)`` on `rank`; return a ticket for `gather`."""
         ...
 
+    def wait(self, tickets: Sequence[Any], ranks: Sequence[int], method: str,
+             timeout_s: float | None) -> None:
+        """Wait until every ticket has finished, without fetching the outcomes. Raises
+        `WorkerError` as soon as one rank raised or died while others still run, or when
+        `timeout_s` passes with ranks still running."""
+        ...
+
     def gather(self, tickets: Sequence[Any], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
-        """Wait for the tickets and return the outcomes in order. Raises `WorkerError` as soon
-        as one rank raised or died, or when `timeout_s` passes with ranks still running."""
+        """`wait`, then fetch the outcomes (Ray: copy and deserialise them) in order; raises
+        `WorkerError` for the rank that failed (the root cause when several did)."""
         ...
 
     def done(self, tickets: Sequence[Any]) -> bool:
@@ -71,6 +78,11 @@ class PendingCall(Generic[R]):
     def result(self, timeout_s: float | None = None) -> list[R]:
         """The outcomes in rank order; raises `WorkerError` for the first rank that failed."""
         return self.channel.gather(self.tickets, self.ranks, self.method, timeout_s)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait until every rank has finished without fetching anything, so that a caller can
+        time the wait and the fetch (`result`, then immediate) apart."""
+        self.channel.wait(self.tickets, self.ranks, self.method, timeout_s)
 
     def done(self) -> bool:
         """Whether every rank has finished, so `result` would not wait (a driver keeping two

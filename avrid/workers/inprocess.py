@@ -48,6 +48,10 @@ class _SequentialChannel:
                kwargs: dict[str, Any]) -> Any:
         return capture(getattr(self._workers[rank], method), *args, **kwargs)
 
+    def wait(self, tickets: Sequence[Any], ranks: Sequence[int], method: str,
+             timeout_s: float | None) -> None:
+        pass  # each call ran to its end when it was submitted
+
     def gather(self, tickets: Sequence[Any], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
         return [check_outcome(t, self._identities[r], method)
@@ -115,8 +119,8 @@ class _ThreadChannel:
         fn = getattr(self._workers[rank], method)
         return self._threads[rank].submit(fn, *args, **kwargs)
 
-    def gather(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
-               timeout_s: float | None) -> list[Any]:
+    def wait(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
+             timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = set(tickets)
         rank_of = {id(t): r for t, r in zip(tickets, ranks, strict=True)}
@@ -132,6 +136,10 @@ class _ThreadChannel:
             # Fail fast: a failed rank may leave its peers blocked in a collective forever.
             for t in done:
                 check_outcome(t.result(), self._identities[rank_of[id(t)]], method)
+
+    def gather(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
+               timeout_s: float | None) -> list[Any]:
+        self.wait(tickets, ranks, method, timeout_s)
         return [t.result() for t in tickets]
 
     def done(self, tickets: Sequence[Future[Any]]) -> bool:

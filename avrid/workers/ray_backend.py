@@ -167,8 +167,8 @@ class _RayChannel:
         # An ordinary actor call: Ray resolves ObjectRefs among the arguments before it runs.
         return getattr(self.actors[rank], method).remote(*args, **kwargs)
 
-    def gather(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
-               timeout_s: float | None) -> list[Any]:
+    def wait(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
+             timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         rank_of = {t: r for t, r in zip(tickets, ranks, strict=True)}
         pending = list(tickets)
@@ -193,8 +193,13 @@ class _RayChannel:
                 raise WorkerError(role=ident.role, rank=ident.rank, method=method,
                                   reason="timeout", remote_traceback="",
                                   detail=f"ranks {late} still running after {timeout_s} s")
+
+    def gather(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
+               timeout_s: float | None) -> list[Any]:
+        self.wait(tickets, ranks, method, timeout_s)
+        rank_of = {t: r for t, r in zip(tickets, ranks, strict=True)}
         try:
-            return ray.get(list(tickets))
+            return ray.get(list(tickets))  # all finished: copy and deserialise the outcomes
         except ray.exceptions.RayError:  # someone failed: find out who, and the root cause
             failures = [f for t in tickets if (f := self._failure(t, rank_of[t], method))]
             raise _root_cause(failures) from None

@@ -17,14 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from avrid.results import Timeline, atomic_write
+from avrid.results import HANDLING_SPANS, Timeline, atomic_write
 from avrid.results.colors import legend_order, span_color
 from avrid.results.timeline import DRIVER
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-DRIVER_CALL_SPANS = ("plan", "send", "wait", "merge")
+DRIVER_CALL_SPANS = ("plan", "split", "submit", "wait", "receive", "merge")
 """The driver's per-call spans (chapter 3's `run_shards`): left out, only its phases drawn."""
 
 
@@ -74,6 +74,6 @@ def _rows(tl: Timeline) -> list[tuple[str, list]]:
         if lane.group == DRIVER:
             spans = [s for s in lane.spans if s.name not in DRIVER_CALL_SPANS]
             rows.insert(0, ("driver (phases)", spans))
-        else:
-            rows.append((lane.label, list(lane.spans)))
+        else:  # the workers' compute; their unpack / pack slivers are chapter 3's story
+            rows.append((lane.label, [s for s in lane.spans if s.name not in HANDLING_SPANS]))
     return rows
