@@ -3,7 +3,8 @@ which micro-batches, so that no shard waits on another.
 
 Read in this order: batch.py (the atomic unit and the packed batch), cost.py (what a sequence
 costs), partition.py (Karmarkar–Karp, LPT, contiguous), microbatch.py (token budgets),
-plan.py (the frozen, invertible plan), send.py (through a worker group by DP coordinate).
+plan.py (the frozen, invertible plan), plan_cache.py (the same shape planned once),
+send.py (through a worker group by DP coordinate).
 Everything but send.py is pure (no Ray) and runs anywhere.
 
 cost.py, partition.py and microbatch.py need only numpy, so the planning maths imports in a
@@ -27,6 +28,7 @@ from avrid.dispatch.partition import (
 if TYPE_CHECKING:  # what type checkers and editors see; at run time `__getattr__` loads these
     from avrid.dispatch.batch import Batch, Packed
     from avrid.dispatch.plan import DispatchConfig, DispatchPlan, Shard, make_plan
+    from avrid.dispatch.plan_cache import cached_plan
     from avrid.dispatch.send import (
         dispatch,
         send_shards,
@@ -37,7 +39,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time `__getattr_
 
 __all__ = [
     "Batch", "CostModel", "DispatchConfig", "DispatchPlan", "FlopCost", "FunctionCost",
-    "Packed", "Partition", "Shard", "TokenCost", "check_costs", "contiguous", "dispatch",
+    "Packed", "Partition", "Shard", "TokenCost", "cached_plan", "check_costs", "contiguous",
+    "dispatch",
     "greedy_lpt", "karmarkar_karp", "make_plan", "micro_batches", "min_micro_batches",
     "partition", "send_shards", "shard_arguments", "submit_per_rank", "submit_shards",
 ]
@@ -46,6 +49,7 @@ _NEEDS_TORCH = {
     "Batch": "avrid.dispatch.batch", "Packed": "avrid.dispatch.batch",
     "DispatchConfig": "avrid.dispatch.plan", "DispatchPlan": "avrid.dispatch.plan",
     "Shard": "avrid.dispatch.plan", "make_plan": "avrid.dispatch.plan",
+    "cached_plan": "avrid.dispatch.plan_cache",
     "dispatch": "avrid.dispatch.send", "send_shards": "avrid.dispatch.send",
     "submit_shards": "avrid.dispatch.send", "shard_arguments": "avrid.dispatch.send",
     "submit_per_rank": "avrid.dispatch.send",

@@ -4,7 +4,7 @@
 single-controller step for one role, with the driver's own time recorded as spans so the
 timeline shows where the driver (not just the workers) spends a step:
 
-    plan      make the chapter 2 dispatch plan
+    plan      make the chapter 2 dispatch plan (or find it made: `cached_plan`)
     split     cut the batch into one shard per DP rank (stored once when ranks share one)
     submit    call every rank: Ray serialises each shard into its call here
     wait      until every rank has answered (the workers' compute and the bubbles live here)
@@ -33,7 +33,7 @@ from avrid.dispatch import (
     Batch,
     DispatchConfig,
     DispatchPlan,
-    make_plan,
+    cached_plan,
     shard_arguments,
     submit_per_rank,
 )
@@ -48,8 +48,9 @@ def run_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch: B
                **kwargs: Any) -> Merged:
     """Dispatch `batch` over `group`'s data-parallel shards and merge what comes back.
 
-    Pass `plan` to reuse one (e.g. the same plan for log-probs and values); otherwise one is
-    made from `config`. Extra arguments go to every rank's `method` after the shard.
+    Pass `plan` to use one you made; otherwise one is made from `config` (`cached_plan`: a
+    batch with the same ids and lengths as a recent one reuses its plan). Extra arguments go
+    to every rank's `method` after the shard.
     """
     return start_shards(group, method, batch, config, *args, plan=plan, data_axis=data_axis,
                         **kwargs).result()
@@ -69,7 +70,9 @@ def start_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch:
     t = time.time()
     axis = group.mesh.names[0] if data_axis is None else data_axis
     if plan is None:
-        plan = make_plan(batch, group.mesh.axis_size(axis), config)
+        # The same ids and lengths over the same shards (the value pass after the log-prob
+        # pass, the actor's mini-batches after the critic's) are planned once.
+        plan = cached_plan(batch, group.mesh.axis_size(axis), config)
     spans.append(Span(name="plan", start=t, end=(t := time.time())))
     per_rank = shard_arguments(group, plan, batch, data_axis=axis)
     spans.append(Span(name="split", start=t, end=(t := time.time())))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from avrid.dispatch import Batch, DispatchConfig, make_plan
+from avrid.dispatch import Batch, DispatchConfig
 from avrid.ppo.algo.advantages import gae, grpo_advantages, kl_penalized_rewards, whiten
 from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.data.columns import (
@@ -247,15 +247,14 @@ class Trainer:
         with phases("reward"):
             scored = phases.add(run_shards(self.reward, RewardWorker.score, batch))
             batch = add_columns(batch, scalars={"score": scored.batch.scalars["score"]})
-        plan = make_plan(batch, self.policy.world_size, self.dispatch)
         with phases("old_logp"):
             old = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs, batch,
-                                        plan=plan))
+                                        self.dispatch))
             batch = add_columns(batch, packed={"old_logp": old.batch.packed["old_logp"]})
         if a.kl_coef > 0:
             with phases("ref_logp"):
                 ref = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs, batch,
-                                            plan=plan, reference=True))
+                                            self.dispatch, reference=True))
                 batch = add_columns(batch, packed={"ref_logp": ref.batch.packed["ref_logp"]})
         if self.critic is not None:
             with phases("values"):
