@@ -27,8 +27,8 @@ the chapter 3 timeline of that step):
 The step's overhead share is 1 - compute / step, the trainer's ``time/overhead``
 (``time/step`` runs from the start of `train_step` to when its metrics are taken), and the
 target is <= 10 % on ``small-cpu``. The rows add up: "between phases" is the driver's time
-outside any named phase (picking prompts, the dispatch plan shared by the log-prob and value
-passes, computing the metrics).
+outside any named phase (picking prompts, building the prompt batch, computing the
+metrics).
 
 What overhead counts, and where the script shows it going (``run_shards``'s driver spans):
 

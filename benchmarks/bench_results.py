@@ -21,8 +21,9 @@ and the token-weighted sum of them as a metric.
     avrid     ``run_shards(group, BenchWorker.new_logprobs, batch, DispatchConfig())`` on a
               RayBackend group of 8 single-CPU ranks (dp = 8): make the plan (Karmarkar–Karp
               over token counts), split the packed batch into 8 shards, send each inside its
-              rank's call (Ray serialises it once, into the call), gather the 8 `WorkerResult`s (built with `ResultBuilder`,
-              the output a packed column), and merge them — ids checked, original order
+              rank's call (Ray serialises it once, into the call), gather the 8
+              `WorkerResult`s (built with `ResultBuilder`, the output a packed column), and
+              merge them — ids checked, original order
               restored, metric reduced.
     padded    the path of a single-controller framework that carries padded batches, modelled
               on verl's ONE_TO_ALL dispatch of a `DataProto`: the batch is held padded to its

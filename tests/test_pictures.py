@@ -206,7 +206,8 @@ def test_chapter6_stacks_timelines_on_one_time_scale(tmp_path: Path) -> None:
     assert [t.get_text() for t in bottom.get_yticklabels()] == [
         "driver (phases)", "policy[0]", "rollout[0]"]
     assert top.get_xlim() == bottom.get_xlim() == (0.0, 4.0)  # one scale: the longer one
-    # The driver row shows phases only (no plan/split/submit/wait/receive/merge), each in its own colour.
+    # The driver row shows phases only (no plan/split/submit/wait/receive/merge), each in its
+    # own colour.
     drawn = {to_hex(p.get_facecolor()) for p in bottom.patches}
     assert {span_color("weight_push"), span_color("generate")} <= drawn
     assert span_color("plan") not in {to_hex(p.get_facecolor()) for p in top.patches}

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from avrid.workers.tensor_wire import _from_wire, _to_wire
+from avrid.workers.tensor_wire import INBAND_BYTES, _from_wire, _to_wire
 
 
 def samples() -> dict[str, torch.Tensor]:
@@ -36,12 +36,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().contiguous().view(width), b.detach().contiguous().view(width))
 
 
+@pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("name", list(samples()))
-def test_round_trip_is_bit_identical_and_writable(name: str) -> None:
+def test_round_trip_is_bit_identical_and_writable(name: str, size: str) -> None:
     tensor = samples()[name]
+    if size == "large":  # past INBAND_BYTES: the numpy buffer, out of band
+        reps = INBAND_BYTES // max(tensor.nbytes, 1) + 1
+        tensor = tensor.detach().repeat(reps, *([1] * (tensor.dim() - 1))) if tensor.dim() \
+            else tensor.detach().repeat(INBAND_BYTES)
+        tensor.requires_grad_(samples()[name].requires_grad)
     wire = pickle.loads(pickle.dumps(_to_wire(tensor), protocol=5))
     back = _from_wire(wire)
-    assert wire[0] == "np"
+    assert wire[0] == ("bytes" if tensor.nbytes <= INBAND_BYTES else "np")
     assert same_bits(tensor, back)
     assert back.requires_grad == tensor.requires_grad
     if back.numel():
@@ -50,9 +56,8 @@ def test_round_trip_is_bit_identical_and_writable(name: str) -> None:
 
 def test_a_view_sends_only_its_own_elements() -> None:
     base = torch.zeros(1_000_000)
-    view = base[:10]
-    wire = _to_wire(view)
-    assert wire[1].nbytes == 10 * 4  # torch's own pickling would send the whole 4 MB storage
+    assert len(_to_wire(base[:10])[1]) == 10 * 4  # torch's would send the whole 4 MB storage
+    assert _to_wire(base[:100_000])[1].nbytes == 100_000 * 4
 
 
 def test_what_numpy_cannot_carry_keeps_torch_s_own_reduction() -> None:

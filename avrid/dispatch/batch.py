@@ -13,8 +13,10 @@ ids with their rows, so any reordering can be undone. A batch may be empty (a sh
 samples is an empty batch with the same columns). A batch is checked when it is made:
 columns that disagree in length, duplicate ids, impossible lengths or a "tokens" column whose
 rows are not prompt + response long fail with a message naming the column (and the sample).
-The checks are vectorised: a batch is made for every micro-batch. This file knows nothing
-about shards, costs or workers.
+The checks are vectorised; and a batch cut from a checked one (`take` of distinct positions,
+`slice`) is valid by construction, so it skips them (`_unchecked`): they would only repeat,
+for every shard and micro-batch of every call. This file knows nothing about shards, costs
+or workers.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 TOKENS = "tokens"
 """The packed column of token ids: when a batch has it, row i is sample i's prompt and
@@ -32,6 +37,16 @@ response, so its length must be ``prompt_lens[i] + response_lens[i]`` (checked).
 
 def _as_index(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
+
+
+def _unchecked(cls: type[T], **fields: object) -> T:
+    """A `Packed` or `Batch` made without its `__post_init__` checks, for one derived from a
+    checked value in a way that cannot break them (rows taken or sliced out of it): the
+    checks would repeat work, not catch anything. Every field must be given."""
+    obj = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)  # frozen: the only way in, as __post_init__ does
+    return obj
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -82,7 +97,7 @@ class Packed:
     def take(self, positions: torch.Tensor) -> Packed:
         """Rows at `positions`, in that order, packed anew (one gather, no Python loop)."""
         offsets, index = self.gather_index(positions)
-        return Packed(values=self.values[index], offsets=offsets)
+        return _unchecked(Packed, values=self.values[index], offsets=offsets)
 
     def gather_index(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new offsets and the element index that `take(positions)` uses. Columns with
@@ -97,7 +112,8 @@ class Packed:
     def slice(self, start: int, stop: int) -> Packed:
         """Rows start..stop-1 as views of this column's memory (no copy)."""
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
-        return Packed(values=self.values[lo:hi], offsets=self.offsets[start:stop + 1] - lo)
+        return _unchecked(Packed, values=self.values[lo:hi],
+                          offsets=self.offsets[start:stop + 1] - lo)
 
     @staticmethod
     def concat(parts: Sequence[Packed]) -> Packed:
@@ -192,6 +208,9 @@ class Batch:
         pos = _as_index(positions)
         if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= len(self)):
             raise IndexError(f"positions must lie in 0..{len(self) - 1}")
+        # Distinct positions of a checked batch make a checked batch; a repeated position
+        # repeats an id, which the full checks below report.
+        distinct = len(pos) < 2 or int(torch.bincount(pos).max()) == 1
         # Per-token columns of the same sequences share their offsets: build each distinct
         # gather index once, not once per column (it is as long as the tokens).
         indices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -202,10 +221,14 @@ class Batch:
             if hit is None:
                 hit = (col.offsets, *col.gather_index(pos))
                 indices.append(hit)
-            packed[name] = Packed(values=col.values[hit[2]], offsets=hit[1])
-        return Batch(sample_ids=self.sample_ids[pos], prompt_lens=self.prompt_lens[pos],
-                     response_lens=self.response_lens[pos], packed=packed,
-                     scalars={k: v[pos] for k, v in self.scalars.items()})
+            packed[name] = _unchecked(Packed, values=col.values[hit[2]], offsets=hit[1])
+        fields = {"sample_ids": self.sample_ids[pos], "prompt_lens": self.prompt_lens[pos],
+                  "response_lens": self.response_lens[pos], "packed": packed,
+                  "scalars": {k: v[pos] for k, v in self.scalars.items()}}
+        if not distinct:
+            return Batch(**fields)  # type: ignore[arg-type]  # raises: repeated ids
+        return _unchecked(Batch, **{**fields, "packed": MappingProxyType(packed),
+                                    "scalars": MappingProxyType(fields["scalars"])})
 
     def positions_of(self, sample_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Positions of these ids in this batch, in the order given; unknown ids are an error."""
@@ -223,11 +246,12 @@ class Batch:
 
     def slice(self, start: int, stop: int) -> Batch:
         """Samples start..stop-1 as views of this batch's memory (a micro-batch, no copy)."""
-        return Batch(sample_ids=self.sample_ids[start:stop],
-                     prompt_lens=self.prompt_lens[start:stop],
-                     response_lens=self.response_lens[start:stop],
-                     packed={k: v.slice(start, stop) for k, v in self.packed.items()},
-                     scalars={k: v[start:stop] for k, v in self.scalars.items()})
+        return _unchecked(
+            Batch, sample_ids=self.sample_ids[start:stop],
+            prompt_lens=self.prompt_lens[start:stop],
+            response_lens=self.response_lens[start:stop],
+            packed=MappingProxyType({k: v.slice(start, stop) for k, v in self.packed.items()}),
+            scalars=MappingProxyType({k: v[start:stop] for k, v in self.scalars.items()}))
 
     @staticmethod
     def concat(parts: Sequence[Batch]) -> Batch:

@@ -1,10 +1,11 @@
 """Chapter 2 — sending a planned batch through a worker group, by data-parallel coordinate.
 
 `dispatch(group, Worker.method, plan, batch)` splits the batch by the plan
-(`shard_arguments`) and sends each shard once (`submit_per_rank`): a shard that several ranks read (the tensor-parallel replicas of one DP shard) is
-stored once (`group.put`: the Ray object store, or nothing to do in-process) and the *same
-handle* goes to each of them, instead of the driver serialising it tp times (verl's
-`DP_COMPUTE` pickles the batch per call); a shard that one rank reads goes inside its call.
+(`shard_arguments`) and sends each shard once (`submit_per_rank`): a shard that several
+ranks read (the tensor-parallel replicas of one DP shard) is stored once (`group.put`: the
+Ray object store, or nothing to do in-process) and the *same handle* goes to each of them,
+instead of the driver serialising it tp times (verl's `DP_COMPUTE` pickles the batch per
+call); a shard that one rank reads goes inside its call.
 It returns the answers of the collect ranks (one per shard, in shard order), ready for
 `plan.restore`.
 

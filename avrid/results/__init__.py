@@ -25,8 +25,10 @@ from avrid.results.run import ShardCall, run_shards, start_shards
 from avrid.results.timeline import Lane, Timeline, Utilization, atomic_write, palette
 
 __all__ = [
-    "HANDLING_SPANS", "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Phases", "Reduction",
+    "HANDLING_SPANS", "REDUCTIONS", "RESULT_VERSION", "Lane", "Merged", "Metric", "Phases",
+    "Reduction",
     "ResultBuilder", "ShardCall", "Span", "Timeline", "Utilization", "WorkerResult",
-    "atomic_write", "compute_seconds", "is_collect_rank", "merge", "merge_metrics", "palette", "run_shards",
+    "atomic_write", "compute_seconds", "is_collect_rank", "merge", "merge_metrics", "palette",
+    "run_shards",
     "start_shards",
 ]

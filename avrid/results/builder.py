@@ -17,8 +17,8 @@ On a non-collect rank (a tensor-parallel replica with tp != 0) `build` drops the
 keeps spans and metrics: its collect peer returns the same rows. Besides the spans the worker
 times, `build` adds two of its own: ``unpack`` (from the builder's creation, when the method
 has its shard, to the first span) and ``pack`` (from the last span to the result built), the
-worker's side of the call's orchestration cost (`result.HANDLING_SPANS`). This file runs inside workers;
-it does not merge (`merge.py`) or draw (`timeline.py`).
+worker's side of the call's orchestration cost (`result.HANDLING_SPANS`). This file runs
+inside workers; it does not merge (`merge.py`) or draw (`timeline.py`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ into a fresh in-band byte string, costing ~0.5 ms of Python per tensor whatever 
 on a small model that is most of a call's overhead. A numpy array instead pickles (protocol 5)
 as a small header plus its raw buffer *out of band*, which Ray copies straight into the object
 store. So `register_tensor_wire` tells Ray's serializer, in this process, to send a CPU tensor
-as (its numpy view, its dtype, requires_grad) and to rebuild it on the other side.
+as (its numpy view, its dtype, requires_grad) and to rebuild it on the other side. A small
+tensor (up to `INBAND_BYTES`) goes as plain bytes inside the pickle instead: Ray's record
+for each out-of-band buffer costs more than copying a few kilobytes.
 
 Rules it keeps:
 - bit-for-bit: the bytes are the tensor's bytes; dtypes numpy lacks (bfloat16, float8) travel
@@ -35,6 +37,9 @@ import numpy as np
 import ray
 
 _UINT_OF_SIZE = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+INBAND_BYTES = 64 * 1024
+"""Tensors up to this size travel as bytes inside the pickle; larger ones as a numpy buffer
+out of band (Ray copies it into the object store without pickling it)."""
 _registered = False  # in this process (cloudpickle's dispatch table is process-wide)
 
 
@@ -51,6 +56,10 @@ def _to_wire(t: Any) -> tuple[Any, ...]:
         array = flat.numpy()
     except TypeError:  # no numpy dtype (bfloat16, float8 ...): the raw bits, as uints
         array = flat.view(getattr(torch, _UINT_OF_SIZE[flat.element_size()])).numpy()
+    if array.nbytes <= INBAND_BYTES:
+        # Small: its bytes inside the pickle. Ray keeps a bookkeeping record per out-of-band
+        # buffer, which costs more than copying a few kilobytes (a shard has ~20 columns).
+        return ("bytes", array.tobytes(), dtype, tuple(t.shape), t.requires_grad)
     return ("np", array, dtype, t.requires_grad)
 
 
@@ -63,6 +72,13 @@ def _from_wire(wire: tuple[Any, ...]) -> Any:
 
     if wire[0] == "torch":
         return _torch_load(wire[1])
+    if wire[0] == "bytes":
+        _, raw, dtype, shape, requires_grad = wire
+        kind = getattr(torch, dtype)
+        # bytearray: a writable copy for the tensor to own (frombuffer shares its memory).
+        tensor = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kind).reshape(shape)
+                  if raw else torch.empty(shape, dtype=kind))
+        return tensor.requires_grad_(requires_grad)
     _, array, dtype, requires_grad = wire
     # Ray's zero-copy arrays are read-only views of shared memory: copy once, so that the
     # receiver may write into the tensor like into any other.

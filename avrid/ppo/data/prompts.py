@@ -103,20 +103,19 @@ def prompt_batch(prompts: PromptSet, indices: Sequence[int], *, repeats: int, fi
     Scalar columns: "prompt_index" (into the split), "split", "group" (0.. per prompt: the
     GRPO group of its responses).
     """
-    rows, index, group = [], [], []
-    for g, i in enumerate(indices):
-        for _ in range(repeats):
-            rows.append(torch.tensor(prompts.token_ids(i), dtype=torch.int64))
-            index.append(i)
-            group.append(g)
-    n = len(rows)
+    # Each distinct prompt is made a tensor once, then its row is repeated (one gather).
+    once = Packed.from_rows([torch.tensor(prompts.token_ids(i), dtype=torch.int64)
+                             for i in indices])
+    group = torch.arange(len(indices)).repeat_interleave(repeats)
+    tokens = once.take(group)
+    n = len(group)
     return Batch(sample_ids=torch.arange(first_id, first_id + n),
-                 prompt_lens=torch.tensor([len(r) for r in rows], dtype=torch.int64),
-                 response_lens=torch.zeros(n, dtype=torch.int64),
-                 packed={"tokens": Packed.from_rows(rows)},
-                 scalars={"prompt_index": torch.tensor(index, dtype=torch.int64),
+                 prompt_lens=tokens.lengths, response_lens=torch.zeros(n, dtype=torch.int64),
+                 packed={"tokens": tokens},
+                 scalars={"prompt_index": torch.tensor(list(indices), dtype=torch.int64)
+                          .repeat_interleave(repeats),
                           "split": torch.full((n,), split, dtype=torch.int64),
-                          "group": torch.tensor(group, dtype=torch.int64)})
+                          "group": group})
 
 
 def mini_batches(n: int, size: int, min_size: int, gen: torch.Generator) -> list[torch.Tensor]:
