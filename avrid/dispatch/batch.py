@@ -244,6 +244,20 @@ class Batch:
         """The samples with these ids, in the order given; unknown ids are an error."""
         return self.take(self.positions_of(sample_ids))
 
+    def only(self, *names: str) -> Batch:
+        """The same samples with only the named columns, packed or scalar (no copy): what a
+        call reads, so that only that is sent. An unknown name is an error naming the
+        columns there are."""
+        unknown = [n for n in names if n not in self.packed and n not in self.scalars]
+        if unknown:
+            raise KeyError(f"no column {unknown} in this batch; it has packed "
+                           f"{sorted(self.packed)} and scalar {sorted(self.scalars)}")
+        return _unchecked(
+            Batch, sample_ids=self.sample_ids, prompt_lens=self.prompt_lens,
+            response_lens=self.response_lens,
+            packed=MappingProxyType({k: v for k, v in self.packed.items() if k in names}),
+            scalars=MappingProxyType({k: v for k, v in self.scalars.items() if k in names}))
+
     def slice(self, start: int, stop: int) -> Batch:
         """Samples start..stop-1 as views of this batch's memory (a micro-batch, no copy)."""
         return _unchecked(
