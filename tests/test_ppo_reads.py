@@ -38,8 +38,8 @@ def run(out: Path, sets: list[str]) -> list[dict]:
     config = with_overrides(preset("tiny-ppo"), [
         "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
         "train.steps=2", "train.prompts_per_step=4", "algo.responses_per_prompt=4",
-        "train.mini_batch_size=8", "train.val_every=2", "train.val_prompts=8", "train.progress=false",
-        f"train.out_dir={out}", *sets])
+        "train.mini_batch_size=8", "train.val_every=2", "train.val_prompts=8",
+        "train.progress=false", f"train.out_dir={out}", *sets])
     rows = train(config, make_trainer=make_trainer).rows  # chapter 6's trainer per mode
     return [{k: v for k, v in r.items() if not k.startswith(MACHINE)} for r in rows]
 
