@@ -98,6 +98,8 @@ def _checked_part(plan: DispatchPlan, shard: int, result: WorkerResult) -> Worke
     sent = [plan.sample_ids[p] for p in plan.shard_positions(shard)]
     assert result.outputs is not None  # collect results carry outputs
     got = result.outputs.sample_ids.tolist()
+    if got == sent:  # the usual case: exactly the samples sent, in the order sent
+        return result
     who = result.identity.name
     # Ids are unique inside one result (a Batch refuses repeats), so a duplicate is an id that
     # also belongs to another shard: its own collect worker returns it as well.
@@ -110,12 +112,10 @@ def _checked_part(plan: DispatchPlan, shard: int, result: WorkerResult) -> Worke
             ("duplicated sample ids (sent to another shard)", duplicated),
             ("unknown sample ids", unknown)) if ids_]
         raise ValueError(f"{who} (shard {shard}) returned a bad result: " + "; ".join(problems))
-    if got != sent:  # the right samples in another order: put them back in the order sent
-        result = WorkerResult(version=result.version, identity=result.identity,
-                              sample_ids=result.sample_ids,
-                              outputs=result.outputs.select(sent),
-                              metrics=result.metrics, spans=result.spans)
-    return result
+    # The right samples in another order: put them back in the order sent.
+    return WorkerResult(version=result.version, identity=result.identity,
+                        sample_ids=result.sample_ids, outputs=result.outputs.select(sent),
+                        metrics=result.metrics, spans=result.spans)
 
 
 def _check_columns_agree(parts: Sequence[WorkerResult]) -> None:
