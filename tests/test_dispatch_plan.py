@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from avrid.dispatch import Batch, DispatchConfig, FunctionCost, make_plan, micro_batches
+from avrid.dispatch import (
+    Batch,
+    DispatchConfig,
+    FunctionCost,
+    make_plan,
+    micro_batches,
+    partition,
+)
+from avrid.dispatch.microbatch import _spread
 from tests.test_batch import make_batch
 
 lengths = st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)), min_size=1, max_size=60)
@@ -119,3 +127,40 @@ def test_micro_batches_are_the_fewest_that_fit_and_are_balanced() -> None:
     assert sorted(i for g in groups for i in g) == list(range(6))
     assert micro_batches([15, 3, 8], 10) == [[0], [1], [2]]  # the oversize one alone
     assert micro_batches([], 10, num_micro=2) == [[], []]
+
+
+@given(lengths, st.integers(1, 12), configs)
+def test_plan_is_the_partition_cut_shard_by_shard(ls: list, k: int,
+                                                  config: DispatchConfig) -> None:
+    # make_plan gathers every shard's tokens at once and skips the loop for one micro-batch;
+    # built here the plain way (each shard alone, every micro-batch looped), it must agree.
+    batch = make_batch(ls)
+    plan = make_plan(batch, k, config)
+    prompt, response = batch.prompt_lens.numpy(), batch.response_lens.numpy()
+    part = partition(config.cost(prompt, response), k, config.method,
+                     equal_count=config.equal_count)
+    tokens = prompt + response
+    budget = config.micro_batch_tokens
+    cut = [[list(range(len(s)))] if budget is None else micro_batches(tokens[list(s)], budget)
+           for s in part.shards]
+    if budget is not None and config.same_micro_count:
+        most = max(len(g) for g in cut)
+        cut = [g if len(g) == most else micro_batches(tokens[list(s)], budget, num_micro=most)
+               for g, s in zip(cut, part.shards, strict=True)]
+    order: list[int] = []
+    for s, groups in enumerate(cut):
+        for group in groups:
+            order.extend(part.shards[s][i] for i in group)
+        bounds = np.cumsum([0] + [len(g) for g in groups]).tolist()
+        assert plan.micro_bounds[s] == tuple(bounds)
+    assert plan.order == tuple(order) and plan.shard_costs == part.costs
+
+
+@given(st.lists(st.integers(0, 50), max_size=40), st.integers(0, 60), st.sampled_from([None, 1]))
+def test_a_shard_within_the_budget_is_one_micro_batch_as_the_spread_makes_it(
+        lens: list[int], slack: int, num_micro: int | None) -> None:
+    # micro_batches answers this case without sorting; the longest-first spread agrees.
+    budget = max(1, sum(lens) + slack)
+    longest_first = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable, as there
+    expected = _spread(lens, longest_first, [], budget, 1)
+    assert micro_batches(lens, budget, num_micro=num_micro) == expected == [list(range(len(lens)))]

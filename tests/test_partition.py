@@ -1,5 +1,6 @@
 """Balanced partitioning: properties every partitioner keeps, the guarantees that are proved,
-the quality Karmarkar–Karp reaches on long-tailed lengths, and the errors for bad input."""
+the quality Karmarkar–Karp reaches on long-tailed lengths, the errors for bad input, and its
+fast paths (differencing.py) returning exactly what the general machinery does."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from avrid.dispatch.differencing import (
+    _chunk_states,
+    _differencing,
+    _differencing_two,
+    _two_slot_start,
+    classic_is_chunked,
+)
 from avrid.dispatch.partition import (
     METHODS,
     Partition,
+    _build,
     contiguous,
     greedy_lpt,
     karmarkar_karp,
@@ -220,3 +229,89 @@ def test_one_shard_holds_every_position_in_order(method: str, equal_count: bool)
     p = partition(costs, 1, method, equal_count=equal_count)
     assert p.shards == ((0, 1, 2, 3, 4),)
     assert p.costs == (18.0,) and p.lower_bound == 18.0
+
+
+# --- Fast paths: same result as the general machinery, bit for bit -----------------------
+# Heavy ties (token counts), decimals whose float sums depend on the order of the additions,
+# zeros, and huge values beside small ones: where a fast path that decided one tie or added
+# one pair differently would show.
+tied_cost = st.one_of(st.integers(0, 8).map(float),
+                      st.sampled_from([0.0, 0.1, 0.2, 0.3, 0.7, 1e16, 2e16 + 2]))
+tied_lists = st.lists(tied_cost, min_size=1, max_size=200) | costs_lists
+
+
+def _descending(c: list[float]) -> tuple[list[float], list[int]]:
+    """The sorted costs and their positions, as `karmarkar_karp` feeds the differencing."""
+    arr = np.asarray(c, dtype=np.float64)
+    order = np.argsort(-arr, kind="stable")
+    return arr[order].tolist(), order.tolist()
+
+
+def _general(desc: list[float], order: list[int], k: int, chunked: bool) -> tuple:
+    """`_differencing` from the chunked or the classic start: the reference for fast paths."""
+    if chunked:
+        return _differencing(_chunk_states(desc, order, k), [], [], k, len(desc))
+    return _differencing([], desc, order, k, len(desc))
+
+
+def _exact(run: tuple) -> tuple:
+    """A differencing result with its sums as hex, so equal means equal to the last bit."""
+    final, left, right = run
+    return [(s.hex(), node) for s, node in final], left, right
+
+
+@settings(max_examples=300)
+@given(tied_lists, st.booleans())
+def test_two_shard_loop_is_the_general_differencing(c: list[float], chunked: bool) -> None:
+    desc, order = _descending(c)
+    fast = _differencing_two(_two_slot_start(desc, order, chunked), len(c))
+    assert _exact(fast) == _exact(_general(desc, order, 2, chunked))
+
+
+@settings(max_examples=300)
+@given(tied_lists, st.integers(2, 9))
+def test_classic_run_is_skipped_only_where_it_repeats_the_chunked_one(c: list[float],
+                                                                      k: int) -> None:
+    desc, order = _descending(c)
+    if classic_is_chunked(np.asarray(desc), k):
+        assert _exact(_general(desc, order, k, False)) == _exact(_general(desc, order, k, True))
+
+
+def test_classic_run_is_skipped_on_tied_token_counts_not_on_long_tails() -> None:
+    rng = np.random.default_rng(0)
+    tokens = (rng.integers(5, 9, 256) + rng.integers(1, 7, 256)).astype(np.float64)
+    assert classic_is_chunked(np.sort(tokens)[::-1], 2)
+    assert not classic_is_chunked(np.sort(_rollout_tokens(256, 0))[::-1], 2)
+
+
+def _reference_kk(c: list[float], k: int, equal_count: bool) -> Partition:
+    """Karmarkar–Karp through the general machinery only: both starts always run."""
+    desc, order = _descending(c)
+    n, costs = len(c), np.asarray(c, dtype=np.float64)
+
+    def labels(chunked: bool) -> np.ndarray:
+        final, left, right = _general(desc, order, k, chunked)
+        label = [0] * (n + len(left))
+        for shard, (_, node) in enumerate(final):
+            label[node] = shard
+        for j in reversed(range(len(left))):
+            label[left[j]] = label[right[j]] = label[n + j]
+        return np.asarray(label[:n], dtype=np.int64)
+
+    best = labels(True)
+    if not equal_count:
+        classic = labels(False)
+        if (np.bincount(classic, weights=costs, minlength=k).max()
+                < np.bincount(best, weights=costs, minlength=k).max()):
+            best = classic
+    return _build("kk", costs, best, k, equal_count)
+
+
+@settings(max_examples=300)
+@given(tied_lists, st.integers(2, 9), st.booleans())
+def test_kk_with_its_fast_paths_is_the_general_kk(c: list[float], k: int,
+                                                  equal_count: bool) -> None:
+    fast = karmarkar_karp(c, k, equal_count=equal_count)
+    reference = _reference_kk(c, k, equal_count)
+    assert fast == reference
+    assert [x.hex() for x in fast.costs] == [x.hex() for x in reference.costs]

@@ -2,13 +2,14 @@
 which micro-batches, so that no shard waits on another.
 
 Read in this order: batch.py (the atomic unit and the packed batch), cost.py (what a sequence
-costs), partition.py (Karmarkar–Karp, LPT, contiguous), microbatch.py (token budgets),
+costs), partition.py (Karmarkar–Karp, LPT, contiguous), differencing.py (how Karmarkar–Karp
+runs, fast), microbatch.py (token budgets),
 plan.py (the frozen, invertible plan), plan_cache.py (the same shape planned once),
 send.py (through a worker group by DP coordinate).
 Everything but send.py is pure (no Ray) and runs anywhere.
 
-cost.py, partition.py and microbatch.py need only numpy, so the planning maths imports in a
-blink with a plain ``pip install avrid``; batches, plans and sending need torch
+cost.py, partition.py, differencing.py and microbatch.py need only numpy, so the planning maths
+imports in a blink with a plain ``pip install avrid``; batches, plans and sending need torch
 (``pip install 'avrid[torch]'``) and are loaded on first use (see `__getattr__` below).
 """
 

@@ -52,18 +52,24 @@ def micro_batches(lengths: Sequence[int] | np.ndarray, budget: int, *,
         raise ValueError(f"position {i} has {int(lens[i])} tokens, over the micro-batch budget "
                          f"of {budget} ({len(too_long)} such sequences); raise the budget or "
                          f"use oversize='own'")
-    need = min_micro_batches(lens, budget)
+    # `min_micro_batches`, with its mask skipped when no sequence is oversize.
+    need = (min_micro_batches(lens, budget) if len(too_long)
+            else math.ceil(int(lens.sum()) / budget))
     if num_micro is not None and num_micro < need:
         raise ValueError(f"{num_micro} micro-batches cannot hold this shard's {len(lens)} "
                          f"sequences ({int(lens.sum())} tokens) under a budget of {budget}; "
                          f"it needs at least {need}")
+    # At least one micro-batch, even for an empty shard: its worker still runs one (empty)
+    # step, so that code after the loop and FSDP's collectives need no special case.
+    m = max(need, 1) if num_micro is None else num_micro
+    if m == 1 and not len(too_long):
+        # The whole shard fits in one micro-batch (need <= 1 means its tokens are within the
+        # budget): the spread below would put every position into it, so skip the sort.
+        return [list(range(len(lens)))]
     # Plain Python lists from here: shards are small and numpy's per-element access is slow.
     sizes = lens.tolist()
     longest_first = [i for i in np.argsort(-lens, kind="stable").tolist() if sizes[i] <= budget]
     alone = too_long.tolist()
-    # At least one micro-batch, even for an empty shard: its worker still runs one (empty)
-    # step, so that code after the loop and FSDP's collectives need no special case.
-    m = max(need, 1) if num_micro is None else num_micro
     while True:
         groups = _spread(sizes, longest_first, alone, budget, m)
         if groups is not None:

@@ -14,14 +14,14 @@ Every partitioner takes any n >= 1 over any k >= 1 (no divisibility rule; n < k 
 empty), can give every shard the same number of samples (±1, `equal_count=True`), breaks ties
 by position so the same input always gives the same output, and reports the lower bound
 max(total / k, largest cost) that no partition can beat. This module is pure (numpy and the
-standard library); it does not cost sequences (`cost.py`), cut micro-batches
-(`microbatch.py`) or move data (`plan.py`, `send.py`).
+standard library); Karmarkar–Karp's differencing loops are in `differencing.py`. It does not
+cost sequences (`cost.py`), cut micro-batches (`microbatch.py`) or move data (`plan.py`,
+`send.py`).
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +29,7 @@ from typing import Literal
 import numpy as np
 
 from avrid.dispatch.cost import check_costs
+from avrid.dispatch.differencing import classic_is_chunked, ldm_labels
 
 Method = Literal["kk", "lpt", "contiguous"]
 METHODS: tuple[str, ...] = ("kk", "lpt", "contiguous")
@@ -119,146 +120,34 @@ def karmarkar_karp(costs: Costs, k: int, *, equal_count: bool = False) -> Partit
     better with few items per shard (on 1024 long-tailed rollouts over 64 shards classic LDM
     lands up to ~1.005 of the bound, chunks ~1.0004), singletons when a few huge items should
     sit alone. So without `equal_count` both run and the lower maximum wins (ties go to the
-    chunked result, whose counts are also even), about doubling the time.
+    chunked result, whose counts are also even), about doubling the time. Except where the
+    classic run provably repeats the chunked one, as it does on token counts with many ties
+    (`differencing.classic_is_chunked`): then its result is known, and it is not run.
 
     Guarantee: a combine never increases the spread, so the final max - min <= largest cost,
     hence max <= total / k + (1 - 1/k) * largest cost. Runs in O(n k log k) time at worst, far
-    less in practice: 4096 items over 64 shards take a few milliseconds.
+    less in practice: 4096 items over 64 shards take a few milliseconds; 256 items over two
+    shards, which have a loop of their own, 0.1 to 0.4 ms. The loops are in `differencing.py`.
     """
     c, k = _validated(costs, k)
     n = len(c)
     if k == 1:  # one shard holds everything, in position order, whatever the method
         return _build("kk", c, np.zeros(n, dtype=np.int64), 1, equal_count)
     # Descending by cost, ties by position (a stable sort of -c): this fixes every later tie.
-    order = np.argsort(-c, kind="stable").tolist()
-    desc = c[order].tolist()
-    labels = _ldm_labels(_chunk_states(desc, order, k), [], [], k, n)
-    if not equal_count:
-        classic = _ldm_labels([], desc, order, k, n)
+    positions = np.argsort(-c, kind="stable")
+    if n <= k:  # either start leaves every item alone: shard i gets the i-th largest item
+        labels = np.empty(n, dtype=np.int64)
+        labels[positions] = np.arange(n)
+        return _build("kk", c, labels, k, equal_count)
+    sorted_costs = c[positions]
+    order, desc = positions.tolist(), sorted_costs.tolist()
+    labels = ldm_labels(desc, order, k, chunked=True)
+    if not equal_count and not classic_is_chunked(sorted_costs, k):
+        classic = ldm_labels(desc, order, k, chunked=False)
         if (np.bincount(classic, weights=c, minlength=k).max()
                 < np.bincount(labels, weights=c, minlength=k).max()):
             labels = classic
     return _build("kk", c, labels, k, equal_count)
-
-
-State = list[tuple[float, int]]
-
-
-def _chunk_states(desc: list[float], order: list[int], k: int) -> list[tuple[float, int, State]]:
-    """Equal-count starting states: consecutive chunks of k sorted items, one per slot, as a
-    heap keyed by (-spread, chunk start). The last chunk may be short (empty slots are 0)."""
-    states = []
-    for start in range(0, len(desc), k):
-        chunk = desc[start:start + k]
-        spread = chunk[0] - (chunk[-1] if len(chunk) == k else 0.0)
-        states.append((-spread, start, [(-x, node) for x, node in
-                                         zip(chunk, order[start:start + k], strict=True)]))
-    heapq.heapify(states)
-    return states
-
-
-def _ldm_labels(heap: list[tuple[float, int, State]], singles: list[float],
-                single_nodes: list[int], k: int, n: int) -> np.ndarray:
-    """Run the differencing from the given start and return each position's shard."""
-    final, left, right = _differencing(heap, singles, single_nodes, k, n)
-    # Every combined slot became a new node n + j whose two halves are left[j] and right[j].
-    # Label each final slot with its shard index, then walk the internal nodes newest first
-    # (a node is always created after its halves), handing the label down; leaves 0..n-1 are
-    # the input positions. O(n), no recursion.
-    label = [0] * (n + len(left))
-    for shard, (_, node) in enumerate(final):
-        label[node] = shard
-    for j in range(len(left) - 1, -1, -1):
-        label[left[j]] = label[right[j]] = label[n + j]
-    return np.asarray(label[:n], dtype=np.int64)
-
-
-def _differencing(heap: list[tuple[float, int, State]], singles: list[float],
-                  single_nodes: list[int], k: int,
-                  n: int) -> tuple[State, list[int], list[int]]:
-    """The LDM loop. Returns the final state and the (left, right) halves of every new node.
-
-    Representation, chosen for speed in pure Python: a state lists only its *occupied* slots
-    as (-sum, node) tuples sorted ascending, i.e. heaviest first; the k - len(state) empty
-    slots are implicit zeros after them. `heap` holds states keyed by (-spread, tiebreak).
-    Single-item states are not pushed at all: `singles` (descending costs, node =
-    `single_nodes[i]`) is consumed from the front, since its spreads are already sorted.
-    """
-    pop, push = heapq.heappop, heapq.heappush
-    left: list[int] = []
-    right: list[int] = []
-    i, num_singles = 0, len(singles)  # singles[i] is the next single item to take
-    neg_singles = [-x for x in singles]  # ascending, for bisect
-    remaining = len(heap) + num_singles
-    tiebreak = n  # after the chunk indices used as tiebreaks in equal-count mode
-
-    while remaining > 1:
-        remaining -= 1
-        # Take the two states with the largest spreads (a before b): each is either a
-        # combined state from the heap or the next single item, whichever spreads more.
-        if heap and (i >= num_singles or -heap[0][0] >= singles[i]):
-            a = pop(heap)[2]
-        else:
-            a = [(neg_singles[i], single_nodes[i])]
-            i += 1
-        if heap and (i >= num_singles or -heap[0][0] >= singles[i]):
-            b = pop(heap)[2]
-        else:
-            b = [(neg_singles[i], single_nodes[i])]
-            i += 1
-        m, p = len(a), len(b)
-        if m + p <= k:
-            # Every occupied slot of one meets an empty slot of the other: a plain union.
-            if p == 1:
-                merged = a.copy()
-                insort(merged, b[0])
-            elif m == 1:
-                merged = b.copy()
-                insort(merged, a[0])
-            else:
-                merged = sorted(a + b)
-            # Shortcut, same result as looping: a partial state holds only single items, all
-            # taken earlier, so all >= the next single. It therefore stays the top state and
-            # keeps absorbing the next single (appended: it sorts last) while that single
-            # spreads strictly more than the best state in the heap (ties go to the heap, as
-            # in the two takes above), or until it is full.
-            room = k - len(merged)
-            if room and i < num_singles:
-                top = -heap[0][0] if heap else -1.0  # costs are >= 0: -1 is below all
-                j = bisect_left(neg_singles, -top, i, min(i + room, num_singles))
-                merged += zip(neg_singles[i:j], single_nodes[i:j], strict=True)
-                remaining -= j - i
-                i = j
-        elif m + p == k + 1:
-            # Exactly one slot pair is occupied on both sides: a's lightest meets b's lightest
-            # (the common case late in the run, a full state absorbing one item). A binary
-            # insert beats re-sorting k tuples.
-            merged = a[:-1] + b[:-1]
-            if m > 1 and p > 1:
-                merged.sort()  # two sorted runs: timsort merges them in linear time
-            insort(merged, (a[-1][0] + b[-1][0], n + len(left)))
-            left.append(a[-1][1])
-            right.append(b[-1][1])
-        else:
-            # Dense view: slot t of a (heaviest first) meets slot k-1-t of b. Both are occupied
-            # for t in [lo, m); a's heavier slots [0, lo) and b's heavier slots [0, k-m) meet
-            # empty slots and are carried over unchanged.
-            lo = k - p if k > p else 0
-            pa = a[lo:m]
-            pb = b[k - m:k - lo][::-1]
-            first = n + len(left)
-            merged = [(x + y, first + j)
-                      for j, ((x, _), (y, _)) in enumerate(zip(pa, pb, strict=True))]
-            left.extend([node for _, node in pa])
-            right.extend([node for _, node in pb])
-            merged += a[:lo]
-            merged += b[:k - m]
-            merged.sort()
-        tiebreak += 1
-        spread = (merged[-1][0] if len(merged) == k else 0.0) - merged[0][0]
-        push(heap, (-spread, tiebreak, merged))
-    final = heap[0][2] if heap else [(-singles[0], single_nodes[0])]
-    return final, left, right
 
 
 def greedy_lpt(costs: Costs, k: int, *, equal_count: bool = False) -> Partition:

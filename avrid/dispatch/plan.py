@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -165,29 +166,41 @@ def make_plan(batch: Batch, num_shards: int,
     # Checked here, where the sample ids are known, so a bad user cost names its sample.
     costs = check_costs(config.cost(prompt, response), sample_ids=batch.sample_ids.numpy())
     part = partition(costs, num_shards, method=config.method, equal_count=config.equal_count)
-    tokens = prompt + response
-    groups = [_micro(tokens[list(shard)], config, None) for shard in part.shards]
-    if config.same_micro_count and config.micro_batch_tokens is not None:
-        most = max(len(g) for g in groups)  # only shards with fewer are cut again
-        groups = [g if len(g) == most else _micro(tokens[list(shard)], config, most)
-                  for g, shard in zip(groups, part.shards, strict=True)]
+    groups = _micro_groups(prompt + response, part.shards, config)
     order: list[int] = []
     shard_bounds, micro_bounds = [0], []
     for shard, micro in zip(part.shards, groups, strict=True):
-        bounds = [0]
-        for group in micro:
-            order.extend(shard[i] for i in group)
-            bounds.append(bounds[-1] + len(group))
+        if len(micro) == 1:  # the usual case: one micro-batch, the whole shard in order
+            order += shard
+            micro_bounds.append((0, len(shard)))
+        else:
+            bounds = [0]
+            for group in micro:
+                order += [shard[i] for i in group]
+                bounds.append(bounds[-1] + len(group))
+            micro_bounds.append(tuple(bounds))
         shard_bounds.append(len(order))
-        micro_bounds.append(tuple(bounds))
     return DispatchPlan(sample_ids=tuple(batch.sample_ids.tolist()), order=tuple(order),
                         shard_bounds=tuple(shard_bounds), micro_bounds=tuple(micro_bounds),
                         shard_costs=tuple(part.costs), lower_bound=part.lower_bound,
                         method=config.method)
 
 
-def _micro(tokens: np.ndarray, config: DispatchConfig, count: int | None) -> list[list[int]]:
-    if config.micro_batch_tokens is None:
-        return [list(range(len(tokens)))]
-    return micro_batches(tokens, config.micro_batch_tokens, num_micro=count,
-                         oversize=config.oversize)
+def _micro_groups(tokens: np.ndarray, shards: tuple[tuple[int, ...], ...],
+                  config: DispatchConfig) -> list[list[list[int]]]:
+    """Per shard, its micro-batches as lists of positions within the shard."""
+    budget = config.micro_batch_tokens
+    if budget is None:
+        return [[list(range(len(shard)))] for shard in shards]
+    # Every shard's token counts from one gather, then sliced (views): one conversion of
+    # positions to an index array in all, not one per shard (and fromiter beats a list).
+    gathered = tokens[np.fromiter(chain.from_iterable(shards), np.intp, len(tokens))]
+    ends = accumulate(len(shard) for shard in shards)
+    per_shard = [gathered[end - len(shard):end] for shard, end in zip(shards, ends, strict=True)]
+    groups = [micro_batches(t, budget, oversize=config.oversize) for t in per_shard]
+    if config.same_micro_count:
+        most = max(len(g) for g in groups)  # only shards with fewer are cut again
+        groups = [g if len(g) == most
+                  else micro_batches(t, budget, num_micro=most, oversize=config.oversize)
+                  for g, t in zip(groups, per_shard, strict=True)]
+    return groups
