@@ -1,4 +1,5 @@
-"""`roles/reads.py`: each call carries only the columns its method reads, and nothing changes.
+"""Each call carries only the columns its method reads (the roles' ``*_READS``), and
+nothing changes.
 
 The driver sends `batch.only(*reads)` to every worker method. If a list missed a column the
 method reads, the worker would fail (a `KeyError`) — or, for the one column read with a
@@ -18,7 +19,7 @@ import torch
 from avrid.dispatch import Batch
 from avrid.pipeline import make_trainer
 from avrid.ppo.driver.run import train
-from avrid.ppo.roles import reads
+from avrid.ppo.roles.policy import actor_update_reads
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 
@@ -69,8 +70,8 @@ def test_only_keeps_the_named_columns_and_names_an_unknown_one() -> None:
 
 def test_the_actor_reads_what_its_loss_needs_under_each_config() -> None:
     base = preset("tiny-ppo")
-    assert reads.actor_update(base) == ("tokens", "loss_mask", "old_logp", "advantages")
+    assert actor_update_reads(base) == ("tokens", "loss_mask", "old_logp", "advantages")
     kl = with_overrides(base, ["algo.kl_coef=0.1", "algo.kl_in=loss",
                                "pipeline.mode=one_step_off"])
-    assert set(reads.actor_update(kl)) == {"tokens", "loss_mask", "old_logp", "advantages",
+    assert set(actor_update_reads(kl)) == {"tokens", "loss_mask", "old_logp", "advantages",
                                            "rollout_logp", "ref_logp"}

@@ -45,6 +45,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import torch
+
 from avrid.dispatch import Batch
 from avrid.pipeline.learner import LearnerWorker
 from avrid.pipeline.overlap import overlap_fraction
@@ -59,14 +61,16 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import check_same, combine
 from avrid.results import (
     HANDLING_SPANS,
+    RESULT_VERSION,
     Merged,
     Phases,
     ShardCall,
     Span,
     Timeline,
+    WorkerResult,
     start_shards,
 )
-from avrid.workers import PendingCall, PlacementPlan, WorkerError
+from avrid.workers import PendingCall, PlacementPlan, WorkerError, WorkerIdentity
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,6 +139,7 @@ class PipelinedTrainer(Trainer):
         self._collected: list[Merged] = []  # generations finished during the current step
         self._spans: list[Span] = []  # pushes checked since the current step began
         self._push_trainer: list[float] = []  # and the seconds each cost the trainer ranks
+        self._push_ranks: list[WorkerResult] = []  # and each rank's side of them, as timed
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -212,6 +217,7 @@ class PipelinedTrainer(Trainer):
         metrics.update(self._pipeline_metrics(batch, phases, version))
         self.timeline = self._timeline(phases)
         self._collected, self._spans, self._push_trainer = [], [], []
+        self._push_ranks = []
         return metrics, batch
 
     def validate(self) -> dict[str, float]:
@@ -321,6 +327,12 @@ class PipelinedTrainer(Trainer):
         self._spans.append(Span(name="weight_push", start=push.submitted,
                                 end=max(*(p[2] for p in sent), *(r.end for r in received))))
         self._push_trainer.append(max(p[2] - p[1] for p in sent))
+        # Each rank's side as a worker span (its own clock): the trainer ranks posting their
+        # sends, the rollout ranks receiving, loading and fingerprinting.
+        self._push_ranks += [_push_span(ident, start, end) for ident, (_, start, end)
+                             in zip(self.policy.identities, sent, strict=True)]
+        self._push_ranks += [_push_span(ident, r.start, r.end)
+                             for ident, r in zip(self.rollout.identities, received, strict=True)]
 
     # ---- what a step reports ---------------------------------------------------------------
 
@@ -363,6 +375,14 @@ class PipelinedTrainer(Trainer):
 
     def _timeline(self, phases: Phases) -> Timeline:
         results = [r for m in [*phases.merged, *self._collected] for r in m.results]
+        results += self._push_ranks
         driver = [*phases.spans, *self._spans,
                   *(s for m in [*phases.merged, *self._collected] for s in m.driver_spans)]
         return Timeline.from_results(results, driver_spans=driver)
+
+
+def _push_span(identity: WorkerIdentity, start: float, end: float) -> WorkerResult:
+    """One rank's side of a push, timed by that rank, as a result for the timeline."""
+    return WorkerResult(version=RESULT_VERSION, identity=identity,
+                        sample_ids=torch.zeros(0, dtype=torch.int64), outputs=None,
+                        spans=(Span(name="weight_push", start=start, end=end),))

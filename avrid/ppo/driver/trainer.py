@@ -50,10 +50,9 @@ from avrid.ppo.data.prompts import (
     step_indices,
 )
 from avrid.ppo.driver.placement import build_placement
-from avrid.ppo.roles import reads
-from avrid.ppo.roles.critic import CriticWorker
-from avrid.ppo.roles.policy import PolicyWorker
-from avrid.ppo.roles.reward import RewardWorker
+from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
+from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
+from avrid.ppo.roles.reward import SCORE_READS, RewardWorker
 from avrid.ppo.roles.trained import TrainedWorker, TrainerState
 from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.config import PPOConfig
@@ -247,22 +246,22 @@ class Trainer:
         cfg, a = self.config, self.config.algo
         with phases("reward"):
             scored = phases.add(run_shards(self.reward, RewardWorker.score,
-                                           batch.only(*reads.SCORE)))
+                                           batch.only(*SCORE_READS)))
             batch = add_columns(batch, scalars={"score": scored.batch.scalars["score"]})
         with phases("old_logp"):
             old = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs,
-                                        batch.only(*reads.FORWARD), self.dispatch))
+                                        batch.only(*LOGPROBS_READS), self.dispatch))
             batch = add_columns(batch, packed={"old_logp": old.batch.packed["old_logp"]})
         if a.kl_coef > 0:
             with phases("ref_logp"):
                 ref = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs,
-                                            batch.only(*reads.FORWARD), self.dispatch,
+                                            batch.only(*LOGPROBS_READS), self.dispatch,
                                             reference=True))
                 batch = add_columns(batch, packed={"ref_logp": ref.batch.packed["ref_logp"]})
         if self.critic is not None:
             with phases("values"):
                 val = phases.add(run_shards(self.critic, CriticWorker.compute_values,
-                                            batch.only(*reads.FORWARD), self.dispatch))
+                                            batch.only(*VALUES_READS), self.dispatch))
                 batch = add_columns(batch, packed={"values": val.batch.packed["values"]})
         with phases("advantages"):
             batch = compute_advantages(batch, cfg)
@@ -270,17 +269,17 @@ class Trainer:
         if self.critic is not None:
             with phases("critic_update"):
                 updates += self._update(self.critic, CriticWorker.update,
-                                        batch.only(*reads.CRITIC_UPDATE), step, phases)
+                                        batch.only(*CRITIC_UPDATE_READS), step, phases)
         if self.updates_actor(step):
             with phases("actor_update"):
                 updates += self._update(self.policy, PolicyWorker.update,
-                                        batch.only(*reads.actor_update(cfg)), step, phases)
+                                        batch.only(*actor_update_reads(cfg)), step, phases)
         return batch, [scored, old, *updates]
 
     def _update(self, group, method, batch: Batch, step: int,  # noqa: ANN001
                 phases: Phases) -> list[Merged]:
         """`ppo_epochs` passes of shuffled mini-batches, one optimizer step each; `batch`
-        holds the columns `method` reads (`roles.reads`)."""
+        holds the columns `method` reads (its role's ``*_READS``)."""
         t = self.config.train
         gen = torch.Generator().manual_seed(step_seed(self.config, step) + 1)
         out = []
@@ -322,7 +321,7 @@ class Trainer:
         gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
                          greedy=r.val_greedy, seed=step_seed(self.config, -1))
         batch = with_responses(prompts, gen.batch)
-        scored = run_shards(self.reward, RewardWorker.score, batch.only(*reads.SCORE))
+        scored = run_shards(self.reward, RewardWorker.score, batch.only(*SCORE_READS))
         return {"val/reward": float(scored.batch.scalars["score"].mean()),
                 "val/response_len": float(batch.response_lens.float().mean()),
                 "val/truncation_rate": float(batch.scalars["truncated"].float().mean())}

@@ -13,8 +13,8 @@ Read in this order:
 6. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
 7. weight_sync.py  the actor's shards into each rank's engine (chapter 4), fingerprint-checked
 8. critic.py       `CriticWorker`: values and the clipped value-loss update
-9. reads.py        the batch columns each of their methods reads: a call carries only those
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
-`run_shards`; nothing here knows about steps, checkpoints or the other roles.
+`run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each
+role); nothing here knows about steps, checkpoints or the other roles.
 """

@@ -27,6 +27,12 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
+VALUES_READS = ("tokens",)
+"""The batch columns `CriticWorker.compute_values` reads (the driver sends only these)."""
+CRITIC_UPDATE_READS = ("tokens", "loss_mask", "values", "returns")
+"""The batch columns `CriticWorker.update` reads: the clipped value loss against the old
+values and the returns, over the samples whose loss_mask is 1."""
+
 
 class CriticWorker(TrainedWorker):
     """One data-parallel rank of the critic (`self.model`)."""

@@ -42,6 +42,22 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
+LOGPROBS_READS = ("tokens",)
+"""The batch columns `PolicyWorker.compute_logprobs` reads (the driver sends only these)."""
+
+
+def actor_update_reads(config: PPOConfig) -> tuple[str, ...]:
+    """The batch columns `PolicyWorker.update` reads under `config` (the driver sends only
+    these): the PPO loss's, the rollout's log-probs when an off-policy correction applies
+    (chapter 6), the reference's when the KL is in the loss."""
+    a = config.algo
+    reads = ("tokens", "loss_mask", "old_logp", "advantages")
+    if config.pipeline.applied_correction != "none":
+        reads += ("rollout_logp",)
+    if a.kl_coef > 0 and a.kl_in == "loss":
+        reads += ("ref_logp",)
+    return reads
+
 
 class PolicyWorker(TrainedWorker):
     """One data-parallel rank of the policy: actor (`self.model`) + reference + rollout engine."""

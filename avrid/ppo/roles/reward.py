@@ -23,6 +23,10 @@ from avrid.ppo.setup.tokenizer import Tokenizer, response_text
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import Worker, WorkerIdentity
 
+SCORE_READS = ("tokens", "split", "prompt_index")
+"""The batch columns `RewardWorker.score` reads: the driver sends only these
+(``batch.only(*SCORE_READS)``), not every column the batch has grown."""
+
 
 class RewardWorker(Worker):
     """Scores shards of (prompt + response) sequences; outputs the per-sample "score"."""
