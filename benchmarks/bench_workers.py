@@ -78,6 +78,33 @@ def time_block(fn: Callable[[], object], calls: int) -> list[float]:
     return out
 
 
+class BareFanOut:
+    """`ray.get` of a no-op on each of n plain actors, one per bundle of a PACK placement
+    group, as `bench_workers.py` measures it: the floor a phase call is compared with."""
+
+    def __init__(self, workers: int) -> None:
+        self.actors, self.pg = start_bare(workers)
+        self.median_ms(20)  # warm-up
+
+    def median_ms(self, calls: int) -> float:
+        return statistics.median(time_block(
+            lambda: ray.get([a.noop.remote() for a in self.actors]), calls)) / 1000
+
+    def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.pg)
+
+
+def bare_fan_out_ms(workers: int, calls: int = 300) -> float:
+    """The bare fan-out on a cluster with nothing else running (after the trainers)."""
+    bare = BareFanOut(workers)
+    try:
+        return bare.median_ms(calls)
+    finally:
+        bare.close()
+
+
 def compare(sides: dict[str, Callable[[], object]], *, repeats: int, calls: int,
             warmup: int) -> dict[str, float]:
     """Time every side in alternating blocks; return per-call medians (us) per side, and the
