@@ -4,6 +4,7 @@ original order and checks every id, exact metric reduction, and collect-rank beh
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from hypothesis import strategies as st
 
 from avrid.dispatch import Batch, DispatchConfig, DispatchPlan, Packed, make_plan
 from avrid.results import (
+    HANDLING_SPANS,
     RESULT_VERSION,
     Metric,
+    Phases,
     ResultBuilder,
     WorkerResult,
+    compute_seconds,
     merge,
     merge_metrics,
 )
@@ -224,3 +228,31 @@ def test_misused_entry_points_say_what_was_wrong() -> None:
                                                                padded={})
     with pytest.raises(TypeError, match="the 4th argument is the DispatchConfig"):
         run_shards(None, fake_log_probs, batch, "padded")  # type: ignore[arg-type]
+
+
+def test_a_result_carries_the_call_handling_around_its_compute_spans() -> None:
+    """`build` adds `unpack` (creation to first span) and `pack` (last span to built); they
+    are orchestration, so a step's compute (`Phases.times`) leaves them out."""
+    batch = make_batch([(2, 3), (1, 4)])
+    shard = make_plan(batch, 1).split(batch)[0]
+    builder = ResultBuilder.for_shard(identity(0), shard)
+    time.sleep(0.02)  # unpacking the shard
+    with builder.span("forward"):
+        time.sleep(0.03)
+    builder.add(batch.sample_ids)
+    time.sleep(0.02)  # packing
+    result = builder.build()
+    names = [s.name for s in result.spans]
+    assert names == ["forward", "unpack", "pack"]
+    forward, unpack, pack = result.spans
+    assert unpack.end == forward.start and pack.start == forward.end
+    assert unpack.duration >= 0.02 and pack.duration >= 0.02
+    assert compute_seconds(result.spans) == forward.duration
+    assert HANDLING_SPANS == {"unpack", "pack"}
+    phases = Phases()
+    phases.record([result])
+    assert phases.times()["time/compute"] == forward.duration
+    # A call that times nothing: all of it is unpack, and none of it compute.
+    empty = ResultBuilder.for_call(identity(0)).build()
+    assert [s.name for s in empty.spans] == ["unpack", "pack"]
+    assert compute_seconds(empty.spans) == 0.0
