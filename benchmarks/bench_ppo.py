@@ -92,6 +92,7 @@ from dataclasses import dataclass, field
 
 import ray
 from bench_workers import BareFanOut, bare_fan_out_ms
+from call_stages import CALL_SPANS, busiest, call_stages, print_stages, serialisation_ms
 
 from avrid.ppo.data.prompts import step_indices
 from avrid.ppo.driver.trainer import Trainer
@@ -99,19 +100,14 @@ from avrid.ppo.outputs.plots import PHASES
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
-from avrid.results import Span, Timeline, compute_seconds
-from avrid.results.result import PACK, UNPACK
-from avrid.results.timeline import DRIVER, Lane
+from avrid.results import Timeline
+from avrid.results.timeline import DRIVER
 
 TARGET_OVERHEAD = 0.10  # on small-cpu: orchestration <= 10 % of a step
-CALL_SPANS = ("plan", "split", "submit", "wait", "receive", "merge")  # run_shards', in order
 BETWEEN = "(between phases)"
 # Where the overhead goes, in the order printed; their sum is step - compute.
 SOURCES = ("plan", "split", "submit", "wait - compute", "receive", "merge", "driver",
            "weight sync", BETWEEN)
-# One call's stages in the order they happen (the critical rank's between submit and wait).
-STAGES = ("plan", "split", "submit", "transport in", "unpack", "between spans", "pack",
-          "transport out", "receive", "merge")
 BENCH_OVERRIDES = ("train.progress=false",)
 # small-cpu as the preset has it, with twice the responses per prompt and a mini-batch twice as
 # large: the same 8 calls per step carry twice the tokens, so the fixed cost of a call (and of
@@ -135,7 +131,7 @@ class StepBreakdown:
     call_overheads: list[float] = field(default_factory=list)
     """Per run_shards call: its six driver spans minus its busiest rank's compute."""
     call_stages: list[dict[str, float]] = field(default_factory=list)
-    """Per run_shards call: seconds of each of `STAGES`."""
+    """Per run_shards call: seconds of each of `call_stages.STAGES`."""
     pick_prompts: float = 0.0
     """`data.step_indices` for this step, timed again on its own (part of "between phases")."""
     tokens: int = 0
@@ -163,15 +159,15 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
     for phase in phases:
         out.wall[phase.name] = phase.duration
         mine = [c for c in calls if phase.start <= c[0].start <= phase.end]
-        compute = sum(_busiest(workers, c[2].start, c[3].end) for c in mine)
+        compute = sum(busiest(workers, c[2].start, c[3].end) for c in mine)
         if not mine:  # a call with no batch (the weight sync): its ranks' spans in the phase
-            compute = _busiest(workers, phase.start, phase.end)
+            compute = busiest(workers, phase.start, phase.end)
         out.phase_compute[phase.name] = compute
         out.calls += len(mine)
         in_calls = 0.0
         for call in mine:
             spent = sum(s.duration for s in call)
-            out.call_overheads.append(spent - _busiest(workers, call[2].start, call[3].end))
+            out.call_overheads.append(spent - busiest(workers, call[2].start, call[3].end))
             out.call_stages.append(call_stages(call, workers))
             for s in call:
                 if s.name != "wait":
@@ -192,30 +188,6 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
     return out
 
 
-def call_stages(call: Sequence[Span], workers: Sequence[Lane]) -> dict[str, float]:
-    """One call's `STAGES`: the driver's spans, and the rank that answered last (whose reply
-    ends the driver's wait) from the end of ``submit`` to the end of ``wait``: transport in,
-    its ``unpack``, its own work between compute spans, its ``pack``, transport out."""
-    plan, split, submit, wait, receive, merge = call
-    ranks = [[s for s in lane.spans if s.start >= submit.start and s.end <= wait.end]
-             for lane in workers]
-    last = max((r for r in ranks if r), key=lambda r: max(s.end for s in r))
-    unpack = next(s for s in last if s.name == UNPACK)
-    pack = next(s for s in last if s.name == PACK)
-    between = (pack.start - unpack.end) - compute_seconds(last)
-    return {"plan": plan.duration, "split": split.duration, "submit": submit.duration,
-            "transport in": unpack.start - submit.end, "unpack": unpack.duration,
-            "between spans": between, "pack": pack.duration,
-            "transport out": wait.end - pack.end, "receive": receive.duration,
-            "merge": merge.duration}
-
-
-def _busiest(workers: Sequence[Lane], start: float, end: float) -> float:
-    """The largest per-worker compute seconds inside [start, end] (one call's ranks)."""
-    return max((compute_seconds(s for s in lane.spans if s.start >= start and s.end <= end)
-                for lane in workers), default=0.0)
-
-
 @dataclass
 class Measurement:
     """What one preset's run gave: start-up seconds, every step's breakdown, or the error."""
@@ -229,6 +201,9 @@ class Measurement:
     train_prompts: int = 0
     warmup: list[StepBreakdown] = field(default_factory=list)
     steps: list[StepBreakdown] = field(default_factory=list)
+    serial: list[dict[str, float]] = field(default_factory=list)
+    """Per measured step, Ray's (de)serialisation of its log-prob call's shards, timed apart
+    (`call_stages.serialisation_ms`)."""
     bare_ms: list[float] = field(default_factory=list)
     """A bare Ray fan-out to as many plain actors as the actor has ranks, timed after each
     measured step while the trainer's workers are alive (median of a block each)."""
@@ -261,6 +236,8 @@ def measure(name: str, overrides: Sequence[str], steps: int, warmup: int) -> Mea
                 (m.warmup if step < warmup else m.steps).append(b)
                 if step >= warmup:
                     m.bare_ms.append(bare.median_ms(50))
+                    m.serial.append(serialisation_ms(batch, trainer.policy.world_size,
+                                                     trainer.dispatch))
                 print(f"  {name} step {step}{' (warm-up)' if step < warmup else ''}: "
                       f"{b.step:.2f} s, compute {b.compute:.2f} s, overhead "
                       f"{b.overhead:.1%}", flush=True)
@@ -337,13 +314,7 @@ def report_calls(m: Measurement, alone_ms: float) -> None:
     per_call = [o for b in m.steps for o in b.call_overheads]
     if not per_call:
         return
-    stages = [c for b in m.steps for c in b.call_stages]
-    print(f"one run_shards call, stage by stage (median ms over {len(stages)} calls; the "
-          f"worker's stages are the last rank to answer's):")
-    for who, names in (("driver", STAGES[:3]), ("worker", STAGES[3:8]),
-                       ("driver", STAGES[8:])):
-        print(f"  {who:<7}" + "".join(f"{n} {_median([c[n] for c in stages]) * 1000:.2f}  "
-                                      for n in names))
+    print_stages([c for b in m.steps for c in b.call_stages], m.serial)
     mine, beside = _median(per_call) * 1000, _median(m.bare_ms)
     n = m.config.placement.actor_dp
     print(f"fixed overhead per phase call ({m.name}, median over {len(per_call)} calls: "
