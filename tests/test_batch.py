@@ -85,3 +85,13 @@ def test_bad_offsets_and_unknown_ids() -> None:
     with pytest.raises(ValueError, match="different columns"):
         Batch.concat([make_batch([(1, 1)]), Batch.from_rows(sample_ids=[5], prompt_lens=[1],
                                                             response_lens=[0])])
+
+
+def test_a_slice_out_of_range_is_refused_not_made_invalid() -> None:
+    batch = make_batch([(2, 3), (1, 4), (3, 0)])
+    assert batch.slice(1, 3).equals(batch.take([1, 2]))  # unchecked, and still the same
+    for start, stop in ((2, 1), (0, 4), (-1, 2)):
+        with pytest.raises(IndexError, match=r"need 0 <= start <= stop <= 3"):
+            batch.slice(start, stop)
+    with pytest.raises(IndexError, match=r"column of 3 rows"):
+        batch.packed["tokens"].slice(0, 5)

@@ -111,6 +111,9 @@ class Packed:
 
     def slice(self, start: int, stop: int) -> Packed:
         """Rows start..stop-1 as views of this column's memory (no copy)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"slice {start}:{stop} of a column of {len(self)} rows; "
+                             f"need 0 <= start <= stop <= {len(self)}")
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         return _unchecked(Packed, values=self.values[lo:hi],
                           offsets=self.offsets[start:stop + 1] - lo)
@@ -260,6 +263,9 @@ class Batch:
 
     def slice(self, start: int, stop: int) -> Batch:
         """Samples start..stop-1 as views of this batch's memory (a micro-batch, no copy)."""
+        if not 0 <= start <= stop <= len(self):  # the one thing that could make it invalid
+            raise IndexError(f"slice {start}:{stop} of a batch of {len(self)} samples; "
+                             f"need 0 <= start <= stop <= {len(self)}")
         return _unchecked(
             Batch, sample_ids=self.sample_ids[start:stop],
             prompt_lens=self.prompt_lens[start:stop],
