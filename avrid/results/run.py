@@ -16,8 +16,8 @@ compute span, the compute spans, ``pack`` after the last; what lies between the 
 ``submit`` and a rank's ``unpack`` is the transport in (Ray's dispatch and deserialising the
 shard), between its ``pack`` and the end of ``wait`` the transport out.
 
-`start_shards` is the same call cut in two — plan and send now, wait and merge on
-`.result()` — for a driver that keeps two groups busy at once.
+`start_shards` is the same call cut in two — plan, split and submit now; wait, receive and
+merge on `.result()` — for a driver that keeps two groups busy at once.
 
 The method must take a `Shard` and return a `WorkerResult` (built with `ResultBuilder`).
 """
@@ -60,9 +60,9 @@ def start_shards(group: WorkerGroup, method: Callable[..., WorkerResult], batch:
                  config: DispatchConfig | None = None, *args: Any,
                  plan: DispatchPlan | None = None, data_axis: str | None = None,
                  **kwargs: Any) -> ShardCall:
-    """`run_shards`' first half: plan and send, then return at once, so that the driver can
-    start another group's work (chapter 6 generates while it trains); `.result()` waits and
-    merges."""
+    """`run_shards`' first half: plan, split and submit, then return at once, so that the
+    driver can start another group's work (chapter 6 generates while it trains); `.result()`
+    waits, receives and merges."""
     if config is not None and not isinstance(config, DispatchConfig):
         raise TypeError(f"run_shards: the 4th argument is the DispatchConfig (or None), got "
                         f"{config!r}; pass the method's own arguments after it or by keyword")
