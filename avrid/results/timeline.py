@@ -16,8 +16,8 @@ shard shows that wait as idle time. That idle time is the pipeline bubble this c
 
 The driver is different: its spans cover almost the whole step, yet most of that time it sits
 in `run_shards`'s ``wait`` span. "Busy 100 %" would hide that, so the chart and the table split
-the driver's time into *own work* (plan, send, merge, advantages, ...: every span but the
-waits) and *waiting on workers* (`WAIT_SPANS`).
+the driver's time into *own work* (plan, split, submit, receive, merge, advantages, ...:
+every span but the waits) and *waiting on workers* (`WAIT_SPANS`).
 
 This file does not record spans (workers do, through `ResultBuilder`), does not import Ray, and
 imports matplotlib only when a chart is asked for (it is a dev/notebook dependency). Span times
@@ -44,8 +44,9 @@ DRIVER = "driver"
 """Label and group of the driver's lane."""
 
 WAIT_SPANS = frozenset({"wait"})
-"""Span names that mean "waiting on others", not own work: `run_shards`'s ``wait`` (from
-sending the shards until every rank answered). A driver call made without `run_shards` (a
+"""Span names that mean "waiting on others", not own work: `run_shards`'s ``wait`` (from the
+end of ``submit`` until every rank has answered; fetching the results, ``receive``, is own
+work). A driver call made without `run_shards` (a
 plain `WorkerGroup.call`) records no such span, so its wait counts as the driver's own work."""
 
 
