@@ -29,12 +29,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from avrid.workers import call_wire
 from avrid.workers.cluster import Cluster, make_identity
 from avrid.workers.errors import PlacementError, WorkerError
 from avrid.workers.group import WorkerGroup
@@ -153,25 +154,40 @@ def _record_placement(worker: Worker) -> WorkerIdentity:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
 
 
+class _Ticket(NamedTuple):
+    """One rank's call in flight: Ray's handle of its reply, and whether the call went
+    through `Worker._wire_call` (its reply is then packed by `call_wire`)."""
+
+    ref: ray.ObjectRef
+    wired: bool
+
+
 class _RayChannel:
     """Actor handles of one group; gathers outcomes with fail-fast death and error checks."""
 
     def __init__(self, actors: Sequence[Any], identities: Sequence[WorkerIdentity],
-                 poll_s: float) -> None:
+                 poll_s: float, *, wired: bool) -> None:
         self.actors = list(actors)
         self._identities = list(identities)
         self._poll_s = poll_s
+        self._wired = wired  # the worker class is a `Worker`, so it has `_wire_call`
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> ray.ObjectRef:
-        # An ordinary actor call: Ray resolves ObjectRefs among the arguments before it runs.
-        return getattr(self.actors[rank], method).remote(*args, **kwargs)
+               kwargs: dict[str, Any]) -> _Ticket:
+        # A call without arguments has nothing to pack: it goes the ordinary way too.
+        packed = call_wire.pack((args, kwargs)) if self._wired and (args or kwargs) else None
+        if packed is None:
+            # An ordinary actor call (a Ray handle among the arguments: Ray resolves
+            # ObjectRefs before the method runs; or a class that is not a `Worker`).
+            return _Ticket(getattr(self.actors[rank], method).remote(*args, **kwargs), False)
+        blob, buffers = packed  # the arguments as bytes: Ray passes them through untouched
+        return _Ticket(self.actors[rank]._wire_call.remote(method, blob, *buffers), True)
 
-    def wait(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
+    def wait(self, tickets: Sequence[_Ticket], ranks: Sequence[int], method: str,
              timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        rank_of = {t: r for t, r in zip(tickets, ranks, strict=True)}
-        pending = list(tickets)
+        rank_of = {t.ref: r for t, r in zip(tickets, ranks, strict=True)}
+        pending = [t.ref for t in tickets]
         while pending:
             left = self._poll_s if deadline is None else min(
                 self._poll_s, max(0.0, deadline - time.monotonic()))
@@ -194,18 +210,20 @@ class _RayChannel:
                                   reason="timeout", remote_traceback="",
                                   detail=f"ranks {late} still running after {timeout_s} s")
 
-    def gather(self, tickets: Sequence[ray.ObjectRef], ranks: Sequence[int], method: str,
+    def gather(self, tickets: Sequence[_Ticket], ranks: Sequence[int], method: str,
                timeout_s: float | None) -> list[Any]:
         self.wait(tickets, ranks, method, timeout_s)
-        rank_of = {t: r for t, r in zip(tickets, ranks, strict=True)}
-        try:
-            return ray.get(list(tickets))  # all finished: copy and deserialise the outcomes
+        try:  # all finished: copy and deserialise the outcomes
+            replies = ray.get([t.ref for t in tickets])
         except ray.exceptions.RayError:  # someone failed: find out who, and the root cause
-            failures = [f for t in tickets if (f := self._failure(t, rank_of[t], method))]
+            failures = [f for t, r in zip(tickets, ranks, strict=True)
+                        if (f := self._failure(t.ref, r, method))]
             raise _root_cause(failures) from None
+        return [call_wire.unpack_result(reply) if t.wired else reply
+                for t, reply in zip(tickets, replies, strict=True)]
 
-    def done(self, tickets: Sequence[ray.ObjectRef]) -> bool:
-        ready, _ = ray.wait(list(tickets), num_returns=len(tickets), timeout=0)
+    def done(self, tickets: Sequence[_Ticket]) -> bool:
+        ready, _ = ray.wait([t.ref for t in tickets], num_returns=len(tickets), timeout=0)
         return len(ready) == len(tickets)
 
     def put(self, value: Any) -> ray.ObjectRef:
@@ -322,9 +340,10 @@ class RayBackend:
                                     scheduling_strategy=in_bundle(slot.bundle))
                   .remote(ident, **spec.init_kwargs)
                   for slot, ident in zip(slots, planned, strict=True)]
-        channel = _RayChannel(actors, planned, self.poll_s)
+        wired = issubclass(spec.worker, Worker)  # `Worker._wire_call` packs calls and replies
+        channel = _RayChannel(actors, planned, self.poll_s, wired=wired)
         try:
-            placed = [a.__ray_call__.remote(_record_placement) for a in actors]
+            placed = [_Ticket(a.__ray_call__.remote(_record_placement), False) for a in actors]
             identities = channel.gather(placed, range(len(slots)), "__init__",
                                         self.start_timeout_s)
         except BaseException:
@@ -332,7 +351,7 @@ class RayBackend:
             raise
         return WorkerGroup(role=spec.role, worker_cls=spec.worker, mesh=spec.mesh,
                            identities=identities,
-                           channel=_RayChannel(actors, identities, self.poll_s),
+                           channel=_RayChannel(actors, identities, self.poll_s, wired=wired),
                            call_timeout_s=self.call_timeout_s)
 
 

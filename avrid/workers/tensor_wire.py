@@ -86,6 +86,12 @@ def _from_wire(wire: tuple[Any, ...]) -> Any:
     return tensor.requires_grad_(requires_grad)
 
 
+def reduce_tensor(t: Any) -> tuple[Any, ...]:
+    """The pickle reduction of a tensor by these rules, for a pickler of one's own
+    (`call_wire` packs a call's arguments with the standard library's)."""
+    return _from_wire, (_to_wire(t),)
+
+
 def _torch_bytes(t: Any) -> bytes:
     import io
 

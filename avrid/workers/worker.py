@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from avrid.workers.identity import WorkerIdentity
 
@@ -88,6 +88,15 @@ class Worker:
             dist.init_process_group(backend, timeout=timeout)
             self._process_group = dist.group.WORLD
         return self._process_group
+
+    def _wire_call(self, method: str, blob: bytes, *buffers: Any) -> Any:
+        """How the Ray backend calls a method: its arguments arrive pickled as one byte
+        string (and the out-of-band buffers of large tensors), its result goes back the same
+        way (`call_wire`). The driver checked that `method` is one of this class's."""
+        from avrid.workers.call_wire import pack_result, unpack
+
+        args, kwargs = unpack(blob, buffers)
+        return pack_result(getattr(self, method)(*args, **kwargs))
 
     def destroy_distributed(self) -> None:
         """Leave the process group (all ranks at once); a no-op if never joined."""
