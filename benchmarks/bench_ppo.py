@@ -34,14 +34,14 @@ What overhead counts, and where the script shows it going (``run_shards``'s driv
 
     plan       making the chapter 2 dispatch plan
     split      cutting the batch into one shard per rank
-    submit     calling every rank (Ray serialises each shard into its call here; a shard
-               that several TP ranks read would be ``ray.put`` once: none here)
+    submit     calling every rank (each shard is pickled into its call here, `call_wire`; a
+               shard that several TP ranks read would be ``ray.put`` once: none here)
     wait - compute   the rest of each call's wait beyond its busiest rank's compute: Ray's
-               transport (dispatching the call, deserialising the shard, serialising the
+               transport (dispatching the call, unpickling the shard, pickling the
                `WorkerResult` and sending it back) and the worker's own handling of the call
                outside compute spans (its ``unpack`` and ``pack`` spans, and its Python
                between compute spans)
-    receive    fetching and deserialising every rank's `WorkerResult` on the driver
+    receive    fetching and unpickling every rank's `WorkerResult` on the driver
     merge      checking and merging the canonical results on the driver
     driver     driver work inside phases but outside `run_shards`: attaching columns to the
                batch, GAE / group advantages (the whole ``advantages`` phase)
@@ -58,8 +58,8 @@ is printed, not judged), validation, checkpoints, metric logging.
 Then one call, stage by stage (medians over every call of the measured steps): the driver's
 plan, split and submit; for the rank that answered last (its reply ends the driver's wait),
 transport in (the end of ``submit`` to the start of its ``unpack``: Ray's dispatch and the
-shard's deserialisation), ``unpack``, its work between compute spans, ``pack``, transport out
-(the end of ``pack`` to the end of ``wait``: the result's serialisation and return); the
+shard's unpickling), ``unpack``, its work between compute spans, ``pack``, transport out
+(the end of ``pack`` to the end of ``wait``: the result's pickling and return); the
 driver's receive and merge. The same spans are in the run's timeline (`trainer.timeline`), so
 a user sees them there. The call's fixed overhead (its six driver spans minus its busiest
 rank's compute) is printed against a bare Ray fan-out (``ray.get`` of a no-op on as many
@@ -67,6 +67,14 @@ plain actors, one per bundle, as `bench_workers.py` measures it) timed in the sa
 block of 50 after every measured step, with the trainer's workers alive beside the actors (the
 same machine load the calls see; judged, target <= 2x), and alone on the cluster after the
 runs (printed too: on 2 cores the trainer's idle processes alone slow every round trip).
+
+Beside it, Ray's own floor for such a call, on the same plain actors after every measured
+step: each is sent the step's log-prob shard (as the byte string avrid sends, Ray's cheapest
+argument), holds it (asleep) as long as the step's median call computes, and sends it back;
+wall time minus the hold is what Ray alone costs for a call that carries this data and lasts
+this long, with no plan, check or merge. On this 2-core VM that floor is itself well over
+twice the no-op fan-out (a process that waited ~15 ms is slower to wake than one that never
+slept, and a no-op carries nothing), so the call is printed against both.
 
 For contrast the same is printed for ``tiny-ppo`` (a 2-layer, 64-wide model): there the
 models are so small that orchestration dominates the step. That is expected and is why the
@@ -92,7 +100,14 @@ from dataclasses import dataclass, field
 
 import ray
 from bench_workers import BareFanOut, bare_fan_out_ms
-from call_stages import CALL_SPANS, busiest, call_stages, print_stages, serialisation_ms
+from call_stages import (
+    CALL_SPANS,
+    busiest,
+    call_stages,
+    logprob_shards,
+    print_stages,
+    serialisation_ms,
+)
 
 from avrid.ppo.data.prompts import step_indices
 from avrid.ppo.driver.trainer import Trainer
@@ -102,6 +117,7 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.results import Timeline
 from avrid.results.timeline import DRIVER
+from avrid.workers import call_wire
 
 TARGET_OVERHEAD = 0.10  # on small-cpu: orchestration <= 10 % of a step
 BETWEEN = "(between phases)"
@@ -129,6 +145,7 @@ class StepBreakdown:
     sources: dict[str, float] = field(default_factory=dict)
     calls: int = 0
     call_overheads: list[float] = field(default_factory=list)
+    call_computes: list[float] = field(default_factory=list)
     """Per run_shards call: its six driver spans minus its busiest rank's compute."""
     call_stages: list[dict[str, float]] = field(default_factory=list)
     """Per run_shards call: seconds of each of `call_stages.STAGES`."""
@@ -167,7 +184,9 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
         in_calls = 0.0
         for call in mine:
             spent = sum(s.duration for s in call)
-            out.call_overheads.append(spent - busiest(workers, call[2].start, call[3].end))
+            busy = busiest(workers, call[2].start, call[3].end)
+            out.call_overheads.append(spent - busy)
+            out.call_computes.append(busy)
             out.call_stages.append(call_stages(call, workers))
             for s in call:
                 if s.name != "wait":
@@ -207,6 +226,10 @@ class Measurement:
     bare_ms: list[float] = field(default_factory=list)
     """A bare Ray fan-out to as many plain actors as the actor has ranks, timed after each
     measured step while the trainer's workers are alive (median of a block each)."""
+    floor_ms: list[float] = field(default_factory=list)
+    """Ray's own cost of a phase call, timed after each measured step on the same plain
+    actors: the step's log-prob shards sent (pickled, as avrid sends them), held for its median
+    call's compute, sent back (`BareFanOut.held_ms`: wall minus the hold)."""
     error: str | None = None
 
 
@@ -236,8 +259,14 @@ def measure(name: str, overrides: Sequence[str], steps: int, warmup: int) -> Mea
                 (m.warmup if step < warmup else m.steps).append(b)
                 if step >= warmup:
                     m.bare_ms.append(bare.median_ms(50))
-                    m.serial.append(serialisation_ms(batch, trainer.policy.world_size,
-                                                     trainer.dispatch))
+                    ranks, dispatch = trainer.policy.world_size, trainer.dispatch
+                    m.serial.append(serialisation_ms(batch, ranks, dispatch))
+                    hold = _median(b.call_computes)
+                    # The shards as avrid sends them, pickled: Ray's cheapest way to carry them.
+                    sent = [call_wire.pack(((s,), {}))[0]
+                            for s in logprob_shards(batch, ranks, dispatch)]
+                    m.floor_ms.append(bare.held_ms(hold, sent,
+                                                   calls=max(5, min(30, int(1.5 / hold)))))
                 print(f"  {name} step {step}{' (warm-up)' if step < warmup else ''}: "
                       f"{b.step:.2f} s, compute {b.compute:.2f} s, overhead "
                       f"{b.overhead:.1%}", flush=True)
@@ -323,6 +352,13 @@ def report_calls(m: Measurement, alone_ms: float) -> None:
           f"trainer's workers: {beside:.2f} ms: {mine / beside:.1f}x (target <= 2x)")
     print(f"  vs the same fan-out alone on the cluster after the run: {alone_ms:.2f} ms: "
           f"{mine / alone_ms:.1f}x")
+    floor = _median(m.floor_ms)
+    hold = _median([c for b in m.steps for c in b.call_computes]) * 1000
+    print(f"  Ray's own floor for such a call, timed between the steps on the same plain "
+          f"actors: each sent its log-prob shard, holding it {hold:.1f} ms (the median call's "
+          f"compute) and sending it back: {floor:.2f} ms beyond the hold = "
+          f"{floor / beside:.1f}x the bare fan-out (no layer that calls Ray actors does such "
+          f"a call for less here); avrid's call is {mine / floor:.1f}x that floor")
 
 
 def main() -> int:

@@ -57,6 +57,13 @@ class BareActor:
     def noop(self, *args: object) -> None:
         """Do nothing (the payload, if any, is received and dropped)."""
 
+    def hold(self, seconds: float, payload: object = None) -> tuple[float, object]:
+        """Sleep `seconds` and send `payload` back, with the seconds actually slept: a call
+        that carries data and lasts as long as a phase's compute, and does nothing else."""
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        return time.perf_counter() - t0, payload
+
 
 def start_bare(n: int) -> tuple[list, object]:
     """Start `n` bare actors, one per bundle of an n-bundle PACK placement group (as avrid)."""
@@ -89,6 +96,19 @@ class BareFanOut:
     def median_ms(self, calls: int) -> float:
         return statistics.median(time_block(
             lambda: ray.get([a.noop.remote() for a in self.actors]), calls)) / 1000
+
+    def held_ms(self, seconds: float, payloads: list[object], calls: int) -> float:
+        """Ray's own cost of a phase call, nothing else done: rank i is sent payloads[i],
+        holds it `seconds` and sends it back. The median of wall time minus the longest
+        hold, in ms — what any layer built on Ray actor calls pays for that call here."""
+        def once() -> float:
+            t0 = time.perf_counter()
+            held = ray.get([a.hold.remote(seconds, p)
+                            for a, p in zip(self.actors, payloads, strict=True)])
+            return time.perf_counter() - t0 - max(h for h, _ in held)
+
+        once()  # the first payload of a kind imports its classes in the actors: untimed
+        return statistics.median(once() for _ in range(calls)) * 1000
 
     def close(self) -> None:
         for a in self.actors:

@@ -4,36 +4,34 @@ A call leaves six driver spans (plan, split, submit, wait, receive, merge) and, 
 its compute spans between ``unpack`` and ``pack``. From them, for the rank that answered last
 (its reply is what ends the driver's wait):
 
-    plan, split, submit      the driver's spans (Ray serialises each shard inside submit)
+    plan, split, submit      the driver's spans (each shard is pickled into its call inside
+                             submit: `call_wire`)
     transport in             end of submit -> start of that rank's unpack: Ray's dispatch
-                             of the call and the shard's deserialisation
+                             of the call and the shard's unpickling
     unpack, pack             the rank's own spans around its compute
     between spans            the rank's Python between its compute spans
     transport out            end of pack -> end of the driver's wait: the result's
-                             serialisation and its way back
+                             pickling and its way back
     receive, merge           the driver's spans
 
-Serialising and deserialising the shards happen inside submit and transport in, where no span
-can separate them; `serialisation_ms` times them apart, on the same shards, with Ray's own
-serializer. A shard several TP ranks share would also be ``ray.put`` once inside split: the
-benchmark's groups have no TP, so none is.
+Pickling and unpickling the shards happen inside submit and transport in, where no span can
+separate them; `serialisation_ms` times them apart, on the same shards, as `call_wire` does.
+A shard several TP ranks share would also be ``ray.put`` once inside split: the benchmark's
+groups have no TP, so none is.
 """
 
 from __future__ import annotations
 
-import pickle
 import statistics
 import time
 from collections.abc import Sequence
 
-import ray
-from ray import cloudpickle
-
-from avrid.dispatch import Batch, DispatchConfig, make_plan
+from avrid.dispatch import Batch, DispatchConfig, Shard, make_plan
 from avrid.ppo.roles.policy import LOGPROBS_READS
 from avrid.results import Span, compute_seconds
 from avrid.results.result import PACK, UNPACK
 from avrid.results.timeline import Lane
+from avrid.workers import call_wire
 
 CALL_SPANS = ("plan", "split", "submit", "wait", "receive", "merge")  # run_shards', in order
 STAGES = ("plan", "split", "submit", "transport in", "unpack", "between spans", "pack",
@@ -63,23 +61,24 @@ def busiest(workers: Sequence[Lane], start: float, end: float) -> float:
                 for lane in workers), default=0.0)
 
 
-def serialisation_ms(batch: Batch, shards: int, config: DispatchConfig) -> dict[str, float]:
-    """Ray's serialisation of the log-prob call's shards of `batch` (all of them, one after
-    the other, as the driver's submit does) and the deserialisation of one (as each rank
-    does), in milliseconds, timed apart from any call."""
-    context = ray._private.worker.global_worker.get_serialization_context()
+def logprob_shards(batch: Batch, shards: int, config: DispatchConfig) -> list[Shard]:
+    """The shards the log-prob call of `batch`'s step sends, one per rank."""
     sent = batch.only(*LOGPROBS_READS)
-    parts = make_plan(sent, shards, config).split(sent)
+    return make_plan(sent, shards, config).split(sent)
+
+
+def serialisation_ms(batch: Batch, shards: int, config: DispatchConfig) -> dict[str, float]:
+    """The pickling of the log-prob call's shards of `batch` into their calls (all of them,
+    one after the other, as the driver's submit does: `call_wire.pack`) and the unpickling of
+    one (as each rank does), in milliseconds, timed apart from any call."""
+    parts = logprob_shards(batch, shards, config)
     t0 = time.perf_counter()
-    for part in parts:
-        context.serialize(part)
+    packed = [call_wire.pack(((part,), {})) for part in parts]
     t1 = time.perf_counter()
-    data = [cloudpickle.dumps(part, protocol=5) for part in parts]
+    for blob, buffers in packed:
+        call_wire.unpack(blob, buffers)
     t2 = time.perf_counter()
-    for blob in data:
-        pickle.loads(blob)
-    t3 = time.perf_counter()
-    return {"serialise": (t1 - t0) * 1000, "deserialise": (t3 - t2) * 1000 / len(parts)}
+    return {"serialise": (t1 - t0) * 1000, "deserialise": (t2 - t1) * 1000 / len(parts)}
 
 
 def print_stages(stages: Sequence[dict[str, float]],
@@ -94,7 +93,7 @@ def print_stages(stages: Sequence[dict[str, float]],
                        ("driver", STAGES[8:])):
         print(f"  {who:<7}" + "".join(f"{n} {ms([c[n] for c in stages]) * 1000:.2f}  "
                                       for n in names))
-    print(f"  of which, timed apart on each step's log-prob shards: Ray serialising them "
-          f"(inside submit) {ms([s['serialise'] for s in serial]):.2f}, deserialising one "
+    print(f"  of which, timed apart on each step's log-prob shards: pickling them "
+          f"(inside submit) {ms([s['serialise'] for s in serial]):.2f}, unpickling one "
           f"(inside transport in) {ms([s['deserialise'] for s in serial]):.2f}; ray.put "
           f"0 (no shard is shared by TP ranks here)")
