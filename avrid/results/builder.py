@@ -62,7 +62,7 @@ class ResultBuilder:
         self._parts: list[Batch] = []
         self._metrics: dict[str, Metric] = {}
         self._spans: list[Span] = []
-        # The method has its arguments (Ray deserialised them before calling it): from here
+        # The method has its arguments (unpickled before it was called): from here
         # to the first compute span is the worker's own unpacking of the call.
         self._created = time.time()
 

@@ -113,7 +113,7 @@ class Span:
 
 UNPACK = "unpack"
 """A worker span `ResultBuilder` adds: from the builder's creation (the method has its
-shard, Ray has deserialised it) to the first compute span."""
+shard, unpickled) to the first compute span."""
 PACK = "pack"
 """A worker span `ResultBuilder` adds: from the last compute span's end to the result built
 (its outputs checked and concatenated); Ray then serialises it and sends it back."""

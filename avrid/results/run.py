@@ -6,14 +6,14 @@ timeline shows where the driver (not just the workers) spends a step:
 
     plan      make the chapter 2 dispatch plan (or find it made: `cached_plan`)
     split     cut the batch into one shard per DP rank (stored once when ranks share one)
-    submit    call every rank: Ray serialises each shard into its call here
+    submit    call every rank: each shard is pickled into its call here (`call_wire`)
     wait      until every rank has answered (the workers' compute and the bubbles live here)
-    receive   fetch and deserialise every rank's `WorkerResult`
+    receive   fetch and unpickle every rank's `WorkerResult`
     merge     check and combine the canonical results
 
 Inside the call each rank records its own side (`ResultBuilder`): ``unpack`` before its first
 compute span, the compute spans, ``pack`` after the last; what lies between the driver's
-``submit`` and a rank's ``unpack`` is the transport in (Ray's dispatch and deserialising the
+``submit`` and a rank's ``unpack`` is the transport in (Ray's dispatch and unpickling the
 shard), between its ``pack`` and the end of ``wait`` the transport out.
 
 `start_shards` is the same call cut in two — plan, split and submit now; wait, receive and
