@@ -145,8 +145,9 @@ class StepBreakdown:
     sources: dict[str, float] = field(default_factory=dict)
     calls: int = 0
     call_overheads: list[float] = field(default_factory=list)
-    call_computes: list[float] = field(default_factory=list)
     """Per run_shards call: its six driver spans minus its busiest rank's compute."""
+    call_computes: list[float] = field(default_factory=list)
+    """Per run_shards call: its busiest rank's compute (how long Ray's floor call holds)."""
     call_stages: list[dict[str, float]] = field(default_factory=list)
     """Per run_shards call: seconds of each of `call_stages.STAGES`."""
     pick_prompts: float = 0.0
