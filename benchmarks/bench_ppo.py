@@ -98,16 +98,9 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import call_stages as stages
 import ray
 from bench_workers import BareFanOut, bare_fan_out_ms
-from call_stages import (
-    CALL_SPANS,
-    busiest,
-    call_stages,
-    logprob_shards,
-    print_stages,
-    serialisation_ms,
-)
 
 from avrid.ppo.data.prompts import step_indices
 from avrid.ppo.driver.trainer import Trainer
@@ -166,29 +159,29 @@ def breakdown(metrics: dict[str, float], timeline: Timeline) -> StepBreakdown:
     driver = next(lane for lane in timeline.lanes if lane.label == DRIVER)
     workers = [lane for lane in timeline.lanes if lane.label != DRIVER]
     phases = [s for s in driver.spans if s.name in PHASES]
-    call_spans = sorted((s for s in driver.spans if s.name in CALL_SPANS),
+    call_spans = sorted((s for s in driver.spans if s.name in stages.CALL_SPANS),
                         key=lambda s: s.start)
-    n = len(CALL_SPANS)
+    n = len(stages.CALL_SPANS)
     calls = [call_spans[i:i + n] for i in range(0, len(call_spans), n)]
-    if any(tuple(s.name for s in c) != CALL_SPANS for c in calls):
-        raise RuntimeError(f"driver spans are not {'/'.join(CALL_SPANS)} sequences: "
+    if any(tuple(s.name for s in c) != stages.CALL_SPANS for c in calls):
+        raise RuntimeError(f"driver spans are not {'/'.join(stages.CALL_SPANS)} sequences: "
                            f"{[s.name for s in call_spans]}")
     src = dict.fromkeys(SOURCES, 0.0)
     for phase in phases:
         out.wall[phase.name] = phase.duration
         mine = [c for c in calls if phase.start <= c[0].start <= phase.end]
-        compute = sum(busiest(workers, c[2].start, c[3].end) for c in mine)
+        compute = sum(stages.busiest(workers, c[2].start, c[3].end) for c in mine)
         if not mine:  # a call with no batch (the weight sync): its ranks' spans in the phase
-            compute = busiest(workers, phase.start, phase.end)
+            compute = stages.busiest(workers, phase.start, phase.end)
         out.phase_compute[phase.name] = compute
         out.calls += len(mine)
         in_calls = 0.0
         for call in mine:
             spent = sum(s.duration for s in call)
-            busy = busiest(workers, call[2].start, call[3].end)
+            busy = stages.busiest(workers, call[2].start, call[3].end)
             out.call_overheads.append(spent - busy)
             out.call_computes.append(busy)
-            out.call_stages.append(call_stages(call, workers))
+            out.call_stages.append(stages.call_stages(call, workers))
             for s in call:
                 if s.name != "wait":
                     src[s.name] += s.duration
@@ -261,11 +254,11 @@ def measure(name: str, overrides: Sequence[str], steps: int, warmup: int) -> Mea
                 if step >= warmup:
                     m.bare_ms.append(bare.median_ms(50))
                     ranks, dispatch = trainer.policy.world_size, trainer.dispatch
-                    m.serial.append(serialisation_ms(batch, ranks, dispatch))
+                    m.serial.append(stages.serialisation_ms(batch, ranks, dispatch))
                     hold = _median(b.call_computes)
                     # The shards as avrid sends them, pickled: Ray's cheapest way to carry them.
                     sent = [call_wire.pack(((s,), {}))[0]
-                            for s in logprob_shards(batch, ranks, dispatch)]
+                            for s in stages.logprob_shards(batch, ranks, dispatch)]
                     m.floor_ms.append(bare.held_ms(hold, sent,
                                                    calls=max(5, min(30, int(1.5 / hold)))))
                 print(f"  {name} step {step}{' (warm-up)' if step < warmup else ''}: "
@@ -344,7 +337,7 @@ def report_calls(m: Measurement, alone_ms: float) -> None:
     per_call = [o for b in m.steps for o in b.call_overheads]
     if not per_call:
         return
-    print_stages([c for b in m.steps for c in b.call_stages], m.serial)
+    stages.print_stages([c for b in m.steps for c in b.call_stages], m.serial)
     mine, beside = _median(per_call) * 1000, _median(m.bare_ms)
     n = m.config.placement.actor_dp
     print(f"fixed overhead per phase call ({m.name}, median over {len(per_call)} calls: "
