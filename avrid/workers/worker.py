@@ -93,6 +93,8 @@ class Worker:
         """How the Ray backend calls a method: its arguments arrive pickled as one byte
         string (and the out-of-band buffers of large tensors), its result goes back the same
         way (`call_wire`). The driver checked that `method` is one of this class's."""
+        # Imported here: call_wire imports Ray, and this module must load without it (the
+        # in-process backend and the pure parts of avrid.workers never need Ray).
         from avrid.workers.call_wire import pack_result, unpack
 
         args, kwargs = unpack(blob, buffers)
