@@ -9,6 +9,7 @@ Read in this order:
 5. progress.py    the progress bar: started with the first step, other lines printed above it
 6. plots.py       reward and per-phase time curves
 7. export.py      a checkpoint as a Hugging Face model directory vLLM or transformers loads
+8. export_dest.py  where an export may go: never over a run, never over the user's own files
 
 No Ray here, and nothing here trains: `driver/run.py` decides what to write and when.
 """

@@ -25,6 +25,8 @@ state.json; for a checkpoint without one the tokenizer is rebuilt from the saved
 
 Writes are atomic, like checkpoints: everything goes into a hidden sibling ``.tmp-<dest>-*``
 directory first and is renamed into place at the end, so a failure leaves no half-written export.
+Where it may go is checked first (`export_dest.py`): never over the source run, inside any run
+directory (but the run's own ``export/``), or over a folder that is not an earlier export.
 
 Not here: sharded safetensors (one file; fine for the models this project trains), the critic
 (only the policy is served), LoRA merging, uploading to the Hub.
@@ -47,6 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from avrid.ppo.engines.models import tiny_config, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
+from avrid.ppo.outputs.export_dest import check_export_dest
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # as checkpoints
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.config_file import config_from_dict
@@ -119,25 +122,29 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
     """Export the policy of a checkpoint (see `resolve_checkpoint`) to `dest`, atomically.
 
     Raises:
-        FileExistsError: `dest` exists and is not empty, and `overwrite` is False.
+        ExportDestError: (a FileExistsError) `dest` is, contains or lies inside the source
+            run or any run directory; or it is not empty and `overwrite` is False; or it is
+            not an earlier export (`export_dest.py`: nothing else is ever replaced).
         FileNotFoundError / ValueError: `source` is not a checkpoint (the message says what is
             accepted), or the tokenizer directory a pretrained run used is gone.
     """
     step_dir = resolve_checkpoint(source)
+    # Before anything is read: a destination over the run (or the user's files) is refused.
+    check_export_dest(Path(dest), step_dir, overwrite=overwrite)
     ckpt = load_checkpoint(step_dir, models=("actor",), training_state=False)
     if "config" not in ckpt.state:
         raise ValueError(f"{step_dir / 'state.json'} has no 'config': not written by "
                          "`avrid ppo`, so the model's architecture is unknown")
     tokenizer = ckpt.state.get("tokenizer") or _rebuilt_tokenizer_record(ckpt.state["config"])
     out = export_policy(dest, ckpt.weights["actor"], config=ckpt.state["config"],
-                        tokenizer=tokenizer, overwrite=overwrite)
+                        tokenizer=tokenizer, overwrite=overwrite, source=step_dir)
     return Exported(dest=out, checkpoint=step_dir, step=ckpt.step,
                     files=tuple(sorted(p.name for p in out.iterdir())))
 
 
 def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], *,
                   config: Mapping[str, Mapping[str, Any]], tokenizer: Mapping[str, Any],
-                  overwrite: bool = False) -> Path:
+                  overwrite: bool = False, source: Path | None = None) -> Path:
     """Write `weights` (the actor's full state dict, HF names) as a Hugging Face model.
 
     Args:
@@ -145,14 +152,19 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
         weights: parameter name -> tensor, as `Trainer.state` gathers them.
         config: the run's config as `config_file.config_to_dict` makes it (state.json's "config").
         tokenizer: a `tokenizer_record`.
-        overwrite: replace a non-empty `dest` (the old one is removed only once the new one
-            is in place).
+        overwrite: replace an earlier export in `dest` (the old one is removed only once the
+            new one is in place).
+        source: the checkpoint step directory the weights come from, if any: `dest` may not
+            be, contain or lie inside its run (`export_dest.check_export_dest`).
 
     Returns:
         `dest` as a Path.
+
+    Raises:
+        ExportDestError: (a FileExistsError) `dest` would destroy a run or files that are
+            not an earlier export, or is not empty and `overwrite` is False.
     """
-    dest = Path(dest)
-    _check_dest(dest, overwrite)
+    dest = check_export_dest(Path(dest), source, overwrite=overwrite)
     model = config["model"]
     dtype = getattr(torch, model["dtype"])
     hf_config = _hf_config(config, tokenizer)
@@ -186,14 +198,6 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
-
-
-def _check_dest(dest: Path, overwrite: bool) -> None:
-    if dest.exists() and not dest.is_dir():
-        raise FileExistsError(f"export destination {dest} exists and is not a directory")
-    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        raise FileExistsError(f"export destination {dest} exists and is not empty; choose a "
-                              "new directory or pass overwrite (--overwrite) to replace it")
 
 
 def _hf_config(config: Mapping[str, Mapping[str, Any]],

@@ -226,7 +226,11 @@ def move_into_place(tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
         return
     trash = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".trash-{final.name}-"))
-    os.rename(final, trash / final.name)
+    try:
+        os.rename(final, trash / final.name)
+    except BaseException:  # `final` could not be set aside (busy, a mount point): no trash
+        os.rmdir(trash)
+        raise
     try:
         os.rename(tmp, final)
     except BaseException:
