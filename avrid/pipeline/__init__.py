@@ -15,7 +15,11 @@ Read in this order:
 5. rollout.py    `RolloutWorker`: an engine in its own bundle that stamps each sample
                  with the weight version that made it
 6. placement.py  chapter 5's placement plus the rollout pool
-7. driver.py     `PipelinedTrainer`: the one_step_off and async modes
+7. report.py     what a pipelined step reports: staleness, importance weights, pushes,
+                 overlap, its timeline
+8. resume.py     what the pipeline holds between two steps, as a checkpoint keeps it
+9. driver.py     `PipelinedTrainer`: the one_step_off and async modes, and their exact
+                 resume
 
 `make_trainer(config)` gives the trainer of `config.pipeline.mode` (chapter 5's `Trainer`
 for sync); `train(config)` runs a whole run with it, as ``avrid ppo`` does.

@@ -30,9 +30,15 @@ admits a batch only with the weights the synchronous loop would have used, so it
 the sync run exactly; one_step_off is K = 1; async lets generation run up to K versions
 ahead, and its versions then depend on timing (fast generation fills the queue early).
 
-Per step it adds `pipeline/` metrics: staleness (max, mean), the overlap of generation and
-training read from the timeline, the queue length, the weight version, and the importance
-weights pi_old / pi_rollout (`algo/off_policy.py`'s `weight_stats`).
+Per step it adds `pipeline/` metrics (`report.py`): staleness (max, mean), the overlap of
+generation and training read from the timeline, the queue length, the weight version, and
+the importance weights pi_old / pi_rollout (`algo/off_policy.py`'s `weight_stats`).
+
+A checkpoint takes what the pipeline holds between two steps (`pipeline_state`: the
+generation in flight is collected first, then the queue, the versions, `next_gen`;
+`resume.py`), and `start` puts it back, so a resumed run is the uninterrupted one. The fresh
+engines get the checkpoint's weights only if the saved ones held the trainer's version;
+otherwise the next launch pushes them, exactly where the uninterrupted run did.
 
 Not here: the learning itself (chapter 5's `Trainer.learn`), the admission rule
 (`staleness.py`), how weights cross pools (`transfer.py`).
@@ -44,33 +50,22 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from avrid.dispatch import Batch
+from avrid.pipeline import report
 from avrid.pipeline.learner import LearnerWorker
-from avrid.pipeline.overlap import overlap_fraction
 from avrid.pipeline.placement import pipeline_placement
+from avrid.pipeline.resume import PipelineState
 from avrid.pipeline.rollout import RolloutWorker
 from avrid.pipeline.staleness import Rollout, RolloutQueue, StalenessError, StalenessGate
 from avrid.pipeline.transfer import push_plan
-from avrid.ppo.algo.off_policy import importance_weights, weight_stats
-from avrid.ppo.data.columns import padded, response_mask, with_responses
+from avrid.ppo.data.columns import with_responses
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import check_same, combine
-from avrid.results import (
-    HANDLING_SPANS,
-    RESULT_VERSION,
-    Merged,
-    Phases,
-    ShardCall,
-    Span,
-    Timeline,
-    WorkerResult,
-    start_shards,
-)
-from avrid.workers import PendingCall, PlacementPlan, WorkerError, WorkerIdentity
+from avrid.results import Merged, Phases, ShardCall, Span, WorkerResult, start_shards
+from avrid.workers import PendingCall, PlacementPlan, WorkerError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,9 +145,11 @@ class PipelinedTrainer(Trainer):
                                   learner=self.policy_worker, rollout=self.rollout_worker)
 
     def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
-              step: int = 0) -> None:
+              step: int = 0, pipeline_state: dict[str, Any] | None = None) -> None:
         """Chapter 5's start, then the rollout pool: engines, the transfer group, and a first
-        checked push, so the engines hold the trained weights before anything is generated."""
+        checked push, so the engines hold the trained weights before anything is generated.
+        A resume passes the checkpoint's `pipeline_state` (what `pipeline_state()` returned):
+        its queue and versions are restored (`_restore`), so the run goes on exactly."""
         super().start(weights, optimizers, step=step)
         t = self.config.train
         self.rollout = self.cluster.group("rollout", self.rollout_worker)
@@ -171,8 +168,43 @@ class PipelinedTrainer(Trainer):
             call.result(t.setup_timeout_s)
         self.trainer_version = self.gate.version_at(step)
         self.next_gen = step
+        if pipeline_state is not None:
+            self._restore(PipelineState.from_extra(pipeline_state), step)
+            return
         self._push()
         self._settle_push(wait=True)
+
+    def pipeline_state(self) -> dict[str, Any]:
+        """What the pipeline holds between two steps, for a checkpoint (`resume.py`). The
+        generation in flight ends first (its batch is queued, as the next step would have
+        queued it) and the last push is checked: after this nothing runs in either pool."""
+        while self._inflight is not None:
+            self._collect()
+        self._settle_push(wait=True)
+        return PipelineState(trainer_version=self.trainer_version,
+                             rollout_version=self.rollout_version, next_gen=self.next_gen,
+                             queue=tuple(self.queue.held()),
+                             pushes=tuple(self._push_trainer)).to_extra()
+
+    def _restore(self, held: PipelineState, step: int) -> None:
+        """Put the pipeline back as `pipeline_state` found it before step `step`."""
+        if held.trainer_version != self.trainer_version:
+            raise ValueError(f"the checkpoint's pipeline state is at trainer version "
+                             f"{held.trainer_version}, but step {step} trains at version "
+                             f"{self.trainer_version}: it is not this step's")
+        for rollout in held.queue:
+            self.queue.put(rollout)
+        self.next_gen = held.next_gen
+        # Fresh engines hold no trained weights. If the saved ones held the trainer's version,
+        # that is the checkpoint's actor: push it now. If they were behind, nothing needs
+        # them: a push of the trainer's version precedes every launch (`_pump`, `validate`),
+        # so it comes exactly where the uninterrupted run makes it.
+        if held.rollout_version == self.trainer_version:
+            self._push()
+            self._settle_push(wait=True)
+            self._spans, self._push_trainer, self._push_ranks = [], [], []  # not the run's
+        self.rollout_version = held.rollout_version
+        self._push_trainer = list(held.pushes)  # the next step reports them, as it would have
 
     def generator(self):  # noqa: ANN201 - (WorkerGroup, method), as Trainer.generator
         """The rollout pool generates (validation included)."""
@@ -215,7 +247,8 @@ class PipelinedTrainer(Trainer):
         self._pump()
         metrics = self._metrics(batch, [rollout.generation, *merged], phases)
         metrics.update(self._pipeline_metrics(batch, phases, version))
-        self.timeline = self._timeline(phases)
+        self.timeline = report.step_timeline(phases, self._collected, self._spans,
+                                             self._push_ranks)
         self._collected, self._spans, self._push_trainer = [], [], []
         self._push_ranks = []
         return metrics, batch
@@ -329,60 +362,19 @@ class PipelinedTrainer(Trainer):
         self._push_trainer.append(max(p[2] - p[1] for p in sent))
         # Each rank's side as a worker span (its own clock): the trainer ranks posting their
         # sends, the rollout ranks receiving, loading and fingerprinting.
-        self._push_ranks += [_push_span(ident, start, end) for ident, (_, start, end)
+        self._push_ranks += [report.push_result(ident, start, end) for ident, (_, start, end)
                              in zip(self.policy.identities, sent, strict=True)]
-        self._push_ranks += [_push_span(ident, r.start, r.end)
+        self._push_ranks += [report.push_result(ident, r.start, r.end)
                              for ident, r in zip(self.rollout.identities, received, strict=True)]
 
-    # ---- what a step reports ---------------------------------------------------------------
+    # ---- what a step reports (report.py) --------------------------------------------------
 
     def _pipeline_metrics(self, batch: Batch, phases: Phases,
                           version: int) -> dict[str, float]:
-        stale = (version - batch.scalars["version"]).double()
-        mask = response_mask(batch)
-        q = self.config.pipeline
-        # With no correction the weights are 1, but the ratios still say how off-policy the
-        # batch is: report them (and how many exceed the cap) as truncated IS would see them.
-        correction = q.applied_correction
-        shown = "tis" if correction == "none" else correction
-        iw = importance_weights(padded(batch, "old_logp"), padded(batch, "rollout_logp"), mask,
-                                correction=shown, cap=q.is_cap)
-        out = {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,
-               "pipeline/staleness_mean": float(stale.mean()) if len(stale) else 0.0,
-               "pipeline/overlap": self._overlap(phases),
-               "pipeline/queue": float(len(self.queue)),
-               "pipeline/version": float(self.trainer_version)}
-        out.update({f"pipeline/{k}": v for k, v in weight_stats(iw, mask).items()})
-        # Every step reports the same keys: 0 when no push fell in this step.
-        pushes = [s for s in self._spans if s.name == "weight_push"]
-        per_rank = max(self.push_plan.bytes_to(r) for r in range(self.push_plan.target_world))
-        out["sync/bytes_per_rank"] = float(per_rank) if pushes else 0.0
-        out["time/weight_push"] = sum(s.end - s.start for s in pushes)
-        out["time/push_trainer"] = sum(self._push_trainer)
-        return out
-
-    def _overlap(self, phases: Phases) -> float:
-        """The share of this step in which rollout ranks generated while trainer ranks
-        computed; a generation still in flight counts from its launch until now."""
-        now = time.time()
-        gen = [(s.start, s.end) for m in self._collected for r in m.results for s in r.spans
-               if s.name not in HANDLING_SPANS]
-        if self._inflight is not None:
-            gen.append((self._inflight.launched, now))
-        train = [(s.start, s.end) for m in phases.merged for r in m.results for s in r.spans
-                 if s.name not in HANDLING_SPANS]
-        return overlap_fraction(gen, train, (phases.start, now))
-
-    def _timeline(self, phases: Phases) -> Timeline:
-        results = [r for m in [*phases.merged, *self._collected] for r in m.results]
-        results += self._push_ranks
-        driver = [*phases.spans, *self._spans,
-                  *(s for m in [*phases.merged, *self._collected] for s in m.driver_spans)]
-        return Timeline.from_results(results, driver_spans=driver)
-
-
-def _push_span(identity: WorkerIdentity, start: float, end: float) -> WorkerResult:
-    """One rank's side of a push, timed by that rank, as a result for the timeline."""
-    return WorkerResult(version=RESULT_VERSION, identity=identity,
-                        sample_ids=torch.zeros(0, dtype=torch.int64), outputs=None,
-                        spans=(Span(name="weight_push", start=start, end=end),))
+        since = None if self._inflight is None else self._inflight.launched
+        return {**report.staleness(batch, version),
+                "pipeline/overlap": report.step_overlap(phases, self._collected, since),
+                "pipeline/queue": float(len(self.queue)),
+                "pipeline/version": float(self.trainer_version),
+                **report.off_policy(batch, self.config.pipeline),
+                **report.pushes(self._spans, self._push_trainer, self.push_plan)}

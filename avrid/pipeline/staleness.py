@@ -122,3 +122,7 @@ class RolloutQueue:
 
     def __contains__(self, step: object) -> bool:
         return step in self._items
+
+    def held(self) -> list[Rollout]:
+        """The batches waiting, in step order (what a checkpoint stores, `resume.py`)."""
+        return [self._items[step] for step in sorted(self._items)]

@@ -38,8 +38,10 @@ Resume (``train.resume=true``) loads the latest checkpoint, refuses a config tha
 anything but the schedule, drops metric lines after the checkpoint and continues; since every
 random draw of the loop derives from (seed, step), the resumed run matches an uninterrupted
 one, and the driver's global RNGs (torch, Python's `random`, numpy) are restored too, for a
-plug-in task that draws from them. With no checkpoint to resume from it refuses, truncating
-nothing. A damaged latest checkpoint is refused naming the newest intact one;
+plug-in task that draws from them. A pipelined run's checkpoint (chapter 6) also holds what
+its pipeline held between the two steps (`Trainer.pipeline_state`: batches generated ahead,
+weight versions), so it resumes exactly too. With no checkpoint to resume from it refuses,
+truncating nothing. A damaged latest checkpoint is refused naming the newest intact one;
 ``train.resume_from=<step directory>`` resumes from that one (or any other) instead.
 """
 
@@ -141,11 +143,12 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
            make_trainer: Callable[[PPOConfig], Trainer]) -> RunSummary:
     """The run proper, once the output directory is locked and checked."""
     t = config.train
-    first, weights, optimizers = 0, None, None
+    first, weights, optimizers, held = 0, None, None, None
     if ck is not None:
         first, weights, optimizers = ck.step, ck.weights, ck.optimizers
+        held = ck.extra.get("pipeline")  # a pipelined run's queue and versions (chapter 6)
         if log:
-            log(f"resuming from {ck.path} (step {first})")
+            log(f"resuming from {ck.path} (step {first}){_pipeline_note(config, ck)}")
     resume_step = first if ck is not None else None
     with (make_trainer(config) as trainer,
           metrics_logger(config, resume_step) as mlog,
@@ -154,7 +157,7 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
         if log:  # starting Ray and the workers takes a while: say so, in a plain line
             where = "on Ray" if config.placement.backend == "ray" else "in this process"
             log(f"starting {len(trainer.placement().slots)} workers {where} ...")
-        trainer.start(weights, optimizers, step=first)
+        trainer.start(weights, optimizers, step=first, pipeline_state=held)
         if ck is not None:  # after start: in-process workers share (and seed) these RNGs
             restore_rng_states(ck.extra)
         if first == 0:
@@ -202,9 +205,13 @@ def metrics_logger(config: PPOConfig, resume_step: int | None) -> MetricsLogger:
 
 
 def save(trainer: Trainer, root: Path, step: int) -> Path:
-    """The trainer's state (`Trainer.state`: full weights, per-rank optimizer states) and
-    the run's position, written atomically."""
+    """The trainer's state (`Trainer.state`: full weights, per-rank optimizer states), the
+    run's position and, for a pipelined run, what its pipeline holds (in the extras as
+    "pipeline": `Trainer.pipeline_state`), written atomically."""
     cfg = trainer.config
+    # First: it waits for a generation still in flight, so that nothing runs in any worker
+    # while the models and the RNG states below are read.
+    held = trainer.pipeline_state()
     models = trainer.state()
     # Every random draw of the loop is seeded from (train.seed, step), so the step IS the RNG
     # state and the data position; the driver's global RNGs are saved too (and restored on
@@ -212,8 +219,26 @@ def save(trainer: Trainer, root: Path, step: int) -> Path:
     state = {"step": step, "data_position": step * cfg.train.prompts_per_step,
              "rng": {"seed": cfg.train.seed, "derived_from": "(seed, step)"},
              "config": config_to_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
+    extra = rng_states() if held is None else {**rng_states(), "pipeline": held}
     return save_checkpoint(root, step, weights=models.weights, optimizers=models.optimizers,
-                           state=state, extra=rng_states(), keep_last=cfg.train.keep_checkpoints)
+                           state=state, extra=extra, keep_last=cfg.train.keep_checkpoints)
+
+
+def _pipeline_note(config: PPOConfig, ck: Checkpoint) -> str:
+    """What the resume line adds for a pipelined run: whether it goes on exactly."""
+    if not config.pipeline.disaggregated:
+        return ""  # the synchronous loop: the models and (seed, step) are all it needs
+    held = ck.extra.get("pipeline")
+    if held is None:
+        return ("; the checkpoint holds no pipeline state (an older avrid wrote it): the "
+                "queue starts empty, so the steps after it differ from an uninterrupted run's")
+    ran = ck.state.get("config", {}).get("train", {}).get("steps", config.train.steps)
+    if config.train.steps > ran and held["next_gen"] >= ran:
+        return (f"; its pipeline state is restored, but its run was set for {ran} steps and "
+                f"generated no batch past them: batches it would otherwise have generated "
+                f"by now come from newer weights, so from step {ran} on this run may differ "
+                f"from one set for {config.train.steps} steps from the start")
+    return "; its pipeline state (queued batches, weight versions) is restored"
 
 
 def rng_states() -> dict[str, Any]:

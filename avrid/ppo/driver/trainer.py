@@ -109,9 +109,13 @@ class Trainer:
         return build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
 
     def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
-              step: int = 0) -> None:
+              step: int = 0, pipeline_state: dict | None = None) -> None:
         """Start the workers and build (or restore, from a checkpoint's pieces) the models;
-        `step`: the step the run (re)starts at (what the weights have been trained for)."""
+        `step`: the step the run (re)starts at (what the weights have been trained for).
+        `pipeline_state` is chapter 6's (`pipeline_state()`); this loop has none."""
+        if pipeline_state is not None:
+            raise ValueError("the checkpoint holds a pipelined run's queue; resume it with "
+                             "its own pipeline.mode (this Trainer runs the synchronous loop)")
         plan = self.placement()
         t = self.config.train
         # Every call the driver makes waits at most `call_timeout_s`: a stuck reward function
@@ -149,6 +153,12 @@ class Trainer:
             pending.append(group.submit_per_rank(setup, [weights.get(name)] * n, opt))
         for p in pending:  # both groups initialise at once (their process groups form)
             p.result(t.setup_timeout_s)
+
+    def pipeline_state(self) -> dict | None:
+        """What the loop holds between steps beyond its models, for a checkpoint: nothing
+        here (a step starts from the models and (seed, step) alone); chapter 6's trainer
+        returns the batches it generated ahead and its weight versions."""
+        return None
 
     def state(self) -> TrainerState:
         """Every trained model's full weights and each of its ranks' optimizer states, for a

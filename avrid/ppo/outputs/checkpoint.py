@@ -14,7 +14,8 @@ it back for a resume. A checkpoint directory looks like this::
         critic.safetensors
         actor.optim.pt       one torch.save'd object per optimizer name
         state.json           JSON-able driver state: step, data position, config, ...
-        extra.pt             torch.save'd extras, e.g. RNG states (only if given)
+        extra.pt             torch.save'd extras (only if given): RNG states, and a
+                             pipelined run's queue and versions (chapter 6's resume.py)
 
 Why the care: a run killed while saving must still resume from the previous step. So every
 file goes into a hidden ``.tmp-step_000012-*`` directory first, is fsynced, and only then is
