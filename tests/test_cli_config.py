@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from avrid.cli import main
 from avrid.ppo.outputs.checkpoint import latest_checkpoint
@@ -30,6 +32,8 @@ from avrid.ppo.setup.config_file import (
 from avrid.ppo.setup.field_help import field_docs
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import PRESETS, preset
+
+pytestmark = pytest.mark.chapter(5)
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +68,6 @@ def test_a_file_may_leave_fields_out_and_they_take_their_defaults() -> None:
     config = config_from_dict({"algo": {"name": "grpo"}, "train": None})
     assert config == dataclasses.replace(PPOConfig(), algo=dataclasses.replace(
         PPOConfig().algo, name="grpo"))
-    # PyYAML reads `1e-6` (no dot) as a string: a number field parses it as a number.
-    assert config_from_dict({"train": {"actor_lr": "1e-6"}}).train.actor_lr == 1e-6
 
 
 @pytest.mark.parametrize("name", ["tiny-ppo", "qwen-gsm8k"])
@@ -136,6 +138,80 @@ def test_a_bad_json_file_or_extension_is_one_line(capsys: pytest.CaptureFixture[
     for file, names in (("bad.json", "not valid JSON"), ("c.toml", "must end in .yaml")):
         code, _, err = run_main(capsys, "ppo", "--config", str(tmp_path / file))
         assert code == 2 and names in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("two_sections.yaml", "train:\n  steps: 3\nalgo:\n  name: grpo\ntrain:\n  seed: 4\n",
+     "duplicate key 'train' at line 5 (first at line 1)"),
+    ("two_values.yaml", "train:\n  steps: 3\n  steps: 5\n",
+     "duplicate key 'steps' at line 3 (first at line 2)"),
+    ("flow.yaml", "train: {steps: 3, seed: 1, steps: 5}\n",
+     "duplicate key 'steps' at line 1 (first at line 1)"),
+    ("two_sections.json", '{"train": {"steps": 3},\n "algo": {"name": "grpo"},\n'
+                          ' "train": {"seed": 4}}',
+     "duplicate key 'train' at line 3 (first at line 1)"),
+    ("two_values.json", '{"train": {\n  "steps": 3,\n  "seed": 1,\n  "st\\u0065ps": 5}}',
+     "duplicate key 'steps' at line 4 (first at line 2)"),
+])
+def test_a_key_written_twice_is_refused_naming_it_and_its_lines(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str,
+        says: str) -> None:
+    file = tmp_path / name
+    file.write_text(text)
+    code, out, err = run_main(capsys, "ppo", "--config", str(file), "--print-config")
+    assert code == 2 and out == ""
+    assert err.startswith(f"avrid ppo: {file}: {says}: each key may appear once"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_same_name_in_two_sections_and_a_yaml_merge_are_no_duplicates(
+        tmp_path: Path) -> None:
+    from avrid.ppo.setup.config_file import _json_duplicate  # the JSON scan, on its own
+
+    file = tmp_path / "c.json"
+    file.write_text('{"algo": {"name": "grpo"}, "task": {"name": "digits", "options": '
+                    '{"k": ["name", "name"]}}}')
+    assert read_config(file).algo.name == "grpo"
+    assert _json_duplicate('[{"a": 1}, {"a": {"a": "a:"}}]') is None  # one "a" per object
+    assert "duplicate key 'a' at line 2" in _json_duplicate('[{"b": {}, "a": [],\n"a": 2}]')
+    file = tmp_path / "c.yaml"
+    file.write_text("train: {<<: {steps: 3, seed: 2}, steps: 4}\n")  # a merge is overridden
+    assert (read_config(file).train.steps, read_config(file).train.seed) == (4, 2)
+    # Only avrid's reader is strict: PyYAML's own loader, the user's to use, is unchanged.
+    assert yaml.safe_load("a: 1e-6\na: 2\n") == {"a": 2}
+
+
+def test_one_type_rule_for_a_file_and_for_set(tmp_path: Path) -> None:
+    """A file's value keeps its type; --set's text is read as the field's type, by the same
+    rule: what a file refuses, --set refuses, and the other way round."""
+    file = tmp_path / "c.yaml"
+
+    def from_file(text: str) -> PPOConfig:
+        file.write_text(text)
+        return read_config(file)
+
+    for text, says in [('train:\n  steps: "3"\n', "expected int, got a string '3' (a value "
+                                                     "in a file keeps its type: write the "
+                                                     "number without quotes)"),
+                       ("train:\n  steps: 3.0\n", "expected int, got a float 3.0"),
+                       ('train:\n  actor_lr: "1e-6"\n', "expected float, got a string"),
+                       ('train:\n  progress: "true"\n', "expected bool, got a string"),
+                       ("train:\n  progress: 1\n", "expected bool, got an int 1")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            from_file(text)
+    read = from_file("train:\n  steps: 3\n  actor_lr: 1e-6\n  critic_lr: 1\n"
+                     "  progress: no\n").train
+    assert (read.steps, read.actor_lr, read.critic_lr, read.progress) == (3, 1e-6, 1, False)
+    assert isinstance(read.actor_lr, float)  # YAML 1.2's 1e-6, not YAML 1.1's string
+    for bad in ("train.steps=3.0", "train.steps=1e3", "train.progress=1"):
+        with pytest.raises(ValueError, match=re.escape(f"override {bad.replace('=', '=' + chr(39))}"
+                                                       f"': expected a value of type")):
+            with_overrides(PPOConfig(), [bad])
+    got = with_overrides(PPOConfig(), ["train.steps=3", "train.actor_lr=1e-6",
+                                       "train.critic_lr=1", "train.progress=no",
+                                       "train.out_dir=on"]).train
+    assert (got.steps, got.actor_lr, got.critic_lr, got.progress, got.out_dir) == (
+        3, 1e-6, 1.0, False, "on")
 
 
 def test_help_config_lists_every_field_with_its_default(

@@ -11,9 +11,18 @@ reads it back into the same `PPOConfig` (and printing that prints the same text)
 
 A file is a whole config, not a patch: a section or field it leaves out takes the field's
 default, and a section or field `PPOConfig` does not have is refused, listing the allowed
-ones, so a typo never silently turns into a default. What a value may be is the field's
-annotation in `config.py`; ranges and choices are then checked by the sections themselves,
-exactly as for a config made in Python.
+ones, so a typo never silently turns into a default. A key written twice in one mapping
+(two ``train:`` sections, ``steps: 3`` then ``steps: 5``) is refused too, naming the key
+and both lines: YAML and JSON readers keep the last one silently, so the first would be lost.
+
+A value in a file has the type its text gives it, and must already be of the field's type
+(the annotation in `config.py`): ``steps: 3`` is an int, ``steps: 3.0`` a float and
+``steps: "3"`` a string, and only the first is an int field's value. The one conversion is
+the lossless one: an int is a valid float (``lr: 1``). YAML is read with YAML 1.2's numbers,
+so ``1e-6`` is the float it looks like (PyYAML's YAML 1.1 would make it a string). ``--set``
+is text by nature, so overrides.py reads its text *as* the field's type, by the same rule:
+``train.steps=3`` is 3, ``train.steps=3.0`` is refused, as in a file. Ranges and choices are
+then checked by the sections themselves, exactly as for a config made in Python.
 
 Not here: presets (presets.py), ``--set`` (overrides.py), and how the command line orders
 them (`avrid/cli.py`).
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -38,6 +48,74 @@ from avrid.results import atomic_write
 
 FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 """File extension -> format."""
+
+
+class DuplicateKeyError(ValueError):
+    """A key written twice in one mapping of a config file; the message names it and its
+    lines."""
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+"""The tag of YAML's ``<<`` key, which merges another mapping into this one."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (`DuplicateKeyError`)
+    and reading ``1e-6`` as a float (see the module docstring)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}  # key -> the line it was first written on
+        for key_node, _ in node.value:
+            # `<<: *base` merges another mapping in, whose keys this one may override: only
+            # keys written here count. Keys that are not plain scalars are PyYAML's to refuse.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise DuplicateKeyError(f"duplicate key {key!r} at line {line} (first at line "
+                                        f"{first[key]}): each key may appear once in a "
+                                        f"mapping; keep one")
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) needs a dot in a float and a sign in its exponent, so `1e-6` and `1.5e6`
+# would be strings; YAML 1.2, and every reader of it, makes them floats. Added to this loader
+# only: PyYAML's own SafeLoader, which the user's code may use, is left as it is.
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _json_duplicate(text: str) -> str | None:
+    """The first key written twice in one object of the (valid) JSON `text`, as a message
+    naming it and its lines; None when there is none.
+
+    `json.loads` keeps the last of two equal keys and says nothing, and its
+    ``object_pairs_hook`` sees the pairs but not where they are; so the text is scanned: a
+    string followed by ``:`` is a key, in the object on top of the stack.
+    """
+    tokens = list(re.finditer(r'"(?:[^"\\]|\\.)*"|[{}\[\]:]', text))
+    objects: list[dict[str, int] | None] = []  # open objects (key -> offset), None: an array
+    for i, token in enumerate(tokens):
+        t = token.group()
+        if t == "{":
+            objects.append({})
+        elif t == "[":
+            objects.append(None)
+        elif t in ("}", "]"):
+            objects.pop()
+        elif t.startswith('"') and i + 1 < len(tokens) and tokens[i + 1].group() == ":":
+            key, keys = json.loads(t), objects[-1]  # json.loads: "st\u0065ps" is "steps"
+            assert keys is not None  # a key is always inside an object in valid JSON
+            if key in keys:
+                line, before = (text.count("\n", 0, at) + 1 for at in (token.start(), keys[key]))
+                return (f"duplicate key {key!r} at line {line} (first at line {before}): each "
+                        f"key may appear once in an object; keep one")
+            keys[key] = token.start()
+    return None
 
 
 def config_to_dict(config: PPOConfig) -> dict[str, dict[str, Any]]:
@@ -110,19 +188,24 @@ def _value(value: Any, hint: Any, key: str) -> Any:
             return value
         if kind is float and isinstance(value, int | float):
             return value  # an int is a valid float (1, not 1.0): kept, so the text round-trips
-        if kind in (int, float) and isinstance(value, str):
-            # PyYAML follows YAML 1.1, where a float needs a dot: `1e-6` arrives as a string.
-            try:
-                return kind(value)
-            except ValueError:
-                pass
         if kind is str and isinstance(value, str):
             return value
         if (kind is Mapping or typing.get_origin(kind) in (Mapping, dict)) and isinstance(
                 value, Mapping):
             return dict(value)
+    # A quoted number is a string in a file, as `3.0` is a float: a value keeps its type.
+    hint_text = (" (a value in a file keeps its type: write the number without quotes)"
+                 if isinstance(value, str) and _is_number(value) else "")
     raise ValueError(f"config field {key!r}: expected {type_text(hint)}, got {_kind(value)} "
-                     f"{value!r}")  # the same shape as every other config error
+                     f"{value!r}{hint_text}")  # the same shape as every other config error
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _kind(value: Any) -> str:
@@ -154,7 +237,15 @@ def read_config(path: str | Path) -> PPOConfig:
     fmt = _format(path)
     text = path.read_text(encoding="utf-8")  # a missing file is an OSError naming it
     try:
-        data = yaml.safe_load(text) if fmt == "yaml" else json.loads(text)
+        if fmt == "yaml":
+            data = yaml.load(text, Loader=StrictLoader)  # a SafeLoader: plain values only
+        else:
+            data = json.loads(text)
+            duplicate = _json_duplicate(text)
+            if duplicate is not None:
+                raise DuplicateKeyError(duplicate)
+    except DuplicateKeyError as e:
+        raise ValueError(f"{path}: {e}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

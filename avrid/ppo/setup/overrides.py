@@ -4,6 +4,12 @@
 str, None, a `Literal` choice, a ``k:v,k:v`` mapping) and returns a new config, checked again
 by every section and by `validate`. Unknown sections or fields are refused, listing the
 allowed ones.
+
+A ``--set`` value is text, so it is read *as* the field's type, and accepted where the same
+value written in a config file would be (config_file.py's one rule): ``train.steps=3`` is 3,
+``train.steps=3.0`` is refused (3.0 is no int, in a file either); ``train.actor_lr=1e-6`` and
+``train.actor_lr=1`` are floats; a bool is one of YAML's words for one (true/false, yes/no,
+on/off), not ``1``; a str field takes the text as it is (``model.path=on`` is the path "on").
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from avrid.ppo.setup.config import PPOConfig
+
+BOOLS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+"""The words ``--set`` reads as a bool (any case): YAML's, so a file and --set agree."""
 
 
 def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
@@ -59,17 +68,18 @@ def _parse(raw: str, hint: Any, key: str) -> Any:
     kind = next((a for a in args if a is not type(None)), hint)
     try:
         if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            if raw.lower() not in BOOLS:
                 raise ValueError
-            return raw.lower() in ("true", "1", "yes")
+            return BOOLS[raw.lower()]
         if kind in (int, float, str):
-            return kind(raw)
+            return kind(raw)  # int("3.0") fails: a whole number only, as in a file
         if typing.get_origin(kind) in (Mapping, dict) or kind is Mapping:
             pairs = [p.split(":", 1) for p in raw.split(",") if p]
             return {k: _scalar(v) for k, v in pairs}
     except ValueError:
+        allowed = f" ({', '.join(BOOLS)})" if kind is bool else ""
         raise ValueError(f"override {key}={raw!r}: expected a value of type "
-                         f"{getattr(kind, '__name__', kind)}") from None
+                         f"{getattr(kind, '__name__', kind)}{allowed}") from None
     return raw
 
 
