@@ -27,6 +27,8 @@ from avrid.gpusched.durations import load_durations, save_durations
 from avrid.gpusched.inventory import parse_gpus
 from avrid.gpusched.runner import Child, ChildSpec, retry_reason
 
+pytestmark = pytest.mark.project
+
 pytest_plugins = ["pytester"]
 
 # The hypothesis and anyio plugins take ~0.8 s of each test process's ~1.1 s start-up here;
@@ -74,7 +76,7 @@ def test_inventory_spellings_and_the_outer_visible_devices(
 
 @pytest.mark.parametrize(("spec", "message"), [
     ("", "--gpus is empty"), ("zero", "'zero' is not a GPU id"), ("0,0", "names a GPU twice"),
-    ("fake:0", "N >= 1 GPUs"), ("fake:2x0", "M > 0 GiB"), ("fake:two", "fake:N or fake:NxM"),
+    ("fake:0", "1 <= N <= 1024"), ("fake:2x0", "M > 0 GiB"), ("fake:two", "fake:N or fake:NxM"),
 ])
 def test_bad_inventories_say_what_is_allowed(spec: str, message: str) -> None:
     with pytest.raises(InventoryError, match=re.escape(message)):
@@ -87,13 +89,16 @@ def test_all_without_nvidia_smi_is_refused_with_the_alternatives() -> None:
 
 
 class Item:
-    """What `needs_of` reads from a pytest item."""
+    """What `needs_of` reads from a pytest item (its marks all on the test itself)."""
 
     def __init__(self, *marks: pytest.MarkDecorator) -> None:
-        self.nodeid, self.marks = "t.py::test", {m.mark.name: m.mark for m in marks}
+        self.nodeid, self.marks = "t.py::test", [m.mark for m in marks]
 
     def get_closest_marker(self, name: str):  # noqa: ANN201 - a pytest Mark or None
-        return self.marks.get(name)
+        return next((m for m in self.marks if m.name == name), None)
+
+    def iter_markers_with_node(self, name: str):  # noqa: ANN201 - (node, Mark) pairs
+        return ((self, m) for m in self.marks if m.name == name)
 
 
 def test_needs_come_from_the_markers_and_bad_ones_name_the_test() -> None:
@@ -110,6 +115,8 @@ def test_needs_come_from_the_markers_and_bad_ones_name_the_test() -> None:
                           (pytest.mark.gpu(1, 2), "at most one positional")]:
         with pytest.raises(MarkerError, match=f"t.py::test: gpu marker: .*{message}"):
             needs_of(Item(mark))
+    with pytest.raises(MarkerError, match=r"t.py::test: gpu marker: given 2 times on the test"):
+        needs_of(Item(pytest.mark.gpu(2), pytest.mark.gpu))  # stacked: which one was meant?
 
 
 def test_the_durations_cache_round_trips_atomically_and_survives_garbage(tmp_path: Path) -> None:
@@ -341,7 +348,7 @@ def test_without_gpus_the_suite_runs_serially_as_plain_pytest(suite: pytest.Pyte
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpus=bogus"], "--gpus 'bogus': 'bogus' is not a GPU id; give comma-separated ids"),
-    (["--gpus=fake:0"], "a simulated inventory is fake:N or fake:NxM"),
+    (["--gpus=fake:0"], "0 simulated GPUs; allowed: 1 <= N <= 1024"),
     (["--gpus=all"], "--gpus all needs nvidia-smi on PATH"),
     (["--gpus=fake:2", "--gpu-timeout=0"], "--gpu-timeout '0': give a number of seconds > 0"),
     (["--gpus=fake:2", "--gpu-retries=-1"], "--gpu-retries '-1': give a whole number >= 0"),

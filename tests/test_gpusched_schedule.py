@@ -37,6 +37,8 @@ from avrid.gpusched import (
 )
 from avrid.gpusched.schedule import EPS, Decision, Running, Start, View
 
+pytestmark = pytest.mark.project
+
 POLICIES = [LongestFirstBackfill(), Fcfs()]
 
 

@@ -6,8 +6,9 @@ is, in this order:
 1. the test's own ``gpu(duration_s=...)``, plus the per-test start-up overhead (a fresh
    interpreter, pytest, the conftest: what the declaration leaves out), learnt like the rest;
 2. what the test took last time, from a small JSON cache in the rootdir
-   (``.pytest-gpu-durations.json`` by default, ``--gpu-durations`` to move it): the whole
-   run of its process, start-up included, as the scheduler lived it;
+   (``.pytest-gpu-durations.json`` by default, ``--gpu-durations`` to move it into another
+   folder that exists): the whole run of its process, start-up included, as the scheduler
+   lived it;
 3. `DEFAULT_DURATION_S` for a test never seen.
 
 The cache is rewritten after every scheduled run, atomically (a temp file in the same folder,
@@ -100,10 +101,12 @@ def load_durations(path: Path) -> tuple[Durations, str]:
 
 
 def save_durations(path: Path, durations: Durations) -> None:
-    """Write the cache atomically: a temp file beside it, flushed, then renamed over it."""
+    """Write the cache atomically: a temp file beside it, flushed, then renamed over it.
+
+    The folder must exist (an OSError otherwise): the cache is the one thing written, and a
+    folder nobody asked for is never made."""
     data = {"version": VERSION, "overhead_s": durations.overhead_s,
             "tests": dict(sorted(durations.seconds.items()))}
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

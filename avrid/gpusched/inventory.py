@@ -11,6 +11,11 @@ Three spellings:
   They name no real device, so a test given one sees no CUDA at all: the mode in which the
   scheduler and the plugin run, and are tested, on a CPU-only machine.
 
+Every inventory has 1 to `MAX_GPUS` GPUs. Each scheduled test is a process of this host, so
+no real run comes near the bound; it is there so that a typo (``fake:10000000``) is refused at
+once, rather than building millions of GPUs and planning over them for minutes, and so that
+every inventory that is allowed plans in well under a second.
+
 Free memory comes from ``nvidia-smi --query-gpu=index,memory.free`` in a subprocess. Not here:
 CUDA itself. Nothing imports torch or initialises a driver, so every spelling but ``all``
 parses on a host with no GPU, and a missing ``nvidia-smi`` only leaves the memory unknown.
@@ -18,6 +23,7 @@ parses on a host with no GPU, and a missing ``nvidia-smi`` only leaves the memor
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -28,6 +34,10 @@ from dataclasses import dataclass
 NVIDIA_SMI_QUERY = ("nvidia-smi", "--query-gpu=index,memory.free",
                     "--format=csv,noheader,nounits")
 """The one command run to list GPUs and their free memory (MiB)."""
+
+MAX_GPUS = 1024
+"""The most GPUs an inventory may have: far above any one host (the tests run as its
+processes), low enough that planning over them stays cheap."""
 
 SPELLINGS = "comma-separated ids (e.g. 0,1,2,3), all, or fake:N / fake:NxM (N GPUs, M GiB each)"
 """What ``--gpus`` accepts, as error messages say it."""
@@ -61,7 +71,10 @@ class Inventory:
 
     def __post_init__(self) -> None:
         ids = [g.id for g in self.gpus]
-        if not ids or len(set(ids)) != len(ids):
+        if not 1 <= len(ids) <= MAX_GPUS:
+            raise InventoryError(f"--gpus {self.spec!r} names {len(ids)} GPUs; an inventory "
+                                 f"has 1 to {MAX_GPUS}")
+        if len(set(ids)) != len(ids):
             raise InventoryError(f"an inventory needs distinct GPU ids, got {ids}")
 
     def devices(self, ids: tuple[str, ...]) -> str:
@@ -141,15 +154,21 @@ def parse_gpus(spec: str, *, environ: Mapping[str, str] | None = None,
 
 def _fake(text: str) -> Inventory:
     match = re.fullmatch(r"fake:(\d+)(?:x(\d+(?:\.\d*)?))?", text)
-    count = int(match.group(1)) if match else 0
     memory = float(match.group(2)) if match and match.group(2) else None
-    if not match or count < 1 or (memory is not None and not memory > 0):
+    if not match or (memory is not None and not (math.isfinite(memory) and memory > 0)):
         raise InventoryError(f"--gpus {text!r}: a simulated inventory is fake:N or fake:NxM "
-                             f"with N >= 1 GPUs and M > 0 GiB each (e.g. fake:8, fake:4x80)")
+                             f"with 1 <= N <= {MAX_GPUS} GPUs and M > 0 GiB each (e.g. "
+                             f"fake:8, fake:4x80)")
+    count = match.group(1).lstrip("0")
+    # Checked before anything is built, and by its length first (int() refuses a number of
+    # over 4,300 digits): fake:10000000 is a typo, not ten million GPUs to plan on.
+    if not count or len(count) > len(str(MAX_GPUS)) or int(count) > MAX_GPUS:
+        raise InventoryError(f"--gpus {text!r}: {match.group(1)} simulated GPUs; allowed: "
+                             f"1 <= N <= {MAX_GPUS} (e.g. fake:8, fake:4x80)")
     # "fake3" is no CUDA device: a test that does look for CUDA finds none, rather than
     # sharing a real GPU with every other test the simulation runs at the same time.
     return Inventory(gpus=tuple(Gpu(id=f"fake{i}", device=f"fake{i}", memory_gb=memory)
-                                for i in range(count)), spec=text, fake=True)
+                                for i in range(int(count))), spec=text, fake=True)
 
 
 def _outer_devices(environ: Mapping[str, str]) -> list[str] | None:
@@ -186,7 +205,8 @@ def _all(text: str, outer: list[str] | None, query: Query | None) -> Inventory:
 
 def _listed(text: str, outer: list[str] | None, query: Query | None) -> Inventory:
     ids = [part.strip() for part in text.split(",")]
-    bad = [i for i in ids if not i.isdigit()]
+    # ASCII digits only (str.isdigit also takes "²", which int() refuses), and few of them.
+    bad = [i for i in ids if not (i.isascii() and i.isdigit() and len(i) <= 6)]
     if bad:
         raise InventoryError(f"--gpus {text!r}: {bad[0]!r} is not a GPU id; give {SPELLINGS}")
     if len(set(map(int, ids))) != len(ids):

@@ -10,7 +10,11 @@ A test says what it needs with the markers the suite already has:
 
 A test with neither marker is not scheduled: it runs in the pytest process, as without the
 plugin. Values are checked here, so a typo (``memory=``) or a nonsense value (``count=0``) is an
-error naming the test, not a test that silently waits for a GPU.
+error naming the test, not a test that silently waits for a GPU. So are two ``gpu`` markers
+at one level (two stacked decorators, or a module's ``pytestmark`` listing two): pytest would
+quietly use one of them (the lower decorator), and which one the author meant is a guess. A
+function's marker over its class's or module's is no conflict: the closest one wins, as
+everywhere in pytest.
 
 Not here: CUDA or torch (a marker is read, nothing is probed), and durations learnt from
 earlier runs (`durations.py`).
@@ -19,6 +23,7 @@ earlier runs (`durations.py`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,10 +40,16 @@ class _Mark(Protocol):
     kwargs: dict[str, Any]
 
 
+class _Node(Protocol):
+    nodeid: str
+
+
 class _Item(Protocol):  # what is read from a pytest Item (kept structural: no pytest import)
     nodeid: str
 
     def get_closest_marker(self, name: str) -> _Mark | None: ...
+
+    def iter_markers_with_node(self, name: str) -> Iterator[tuple[_Node, _Mark]]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,13 +87,23 @@ def needs_of(item: _Item) -> GpuNeeds | None:
     """What `item` needs, or None if it carries neither a ``gpu`` nor a ``vllm`` marker.
 
     The closest ``gpu`` marker wins (a function's over its module's ``pytestmark``), as in
-    the suite's own skip logic. Raises `MarkerError` naming the test for bad arguments.
+    the suite's own skip logic. Raises `MarkerError` naming the test for bad arguments, or
+    for two ``gpu`` markers at one level.
     """
-    gpu = item.get_closest_marker("gpu")
-    if gpu is None:
+    levels: dict[str, list[_Mark]] = {}  # node id -> its gpu markers, the closest node first
+    for node, mark in item.iter_markers_with_node("gpu"):
+        levels.setdefault(node.nodeid, []).append(mark)
+    if not levels:
         return GpuNeeds() if item.get_closest_marker("vllm") is not None else None
+    gpu = next(iter(levels.values()))[0]
+    doubled = next(((node, marks) for node, marks in levels.items() if len(marks) > 1), None)
     unknown = sorted(set(gpu.kwargs) - set(KWARGS))
     try:
+        if doubled is not None:
+            node, marks = doubled
+            on = "the test" if node == item.nodeid else node  # or its class, its module
+            raise MarkerError(f"given {len(marks)} times on {on} "
+                              f"({' and '.join(map(_spelled, marks))}); keep one")
         if unknown:
             raise MarkerError(f"unknown keyword {unknown[0]!r} (allowed: {', '.join(KWARGS)})")
         if len(gpu.args) > 1 or (gpu.args and "count" in gpu.kwargs):
@@ -94,3 +115,9 @@ def needs_of(item: _Item) -> GpuNeeds | None:
                         timeout_s=gpu.kwargs.get("timeout_s"))
     except MarkerError as err:
         raise MarkerError(f"{item.nodeid}: gpu marker: {err}") from None
+
+
+def _spelled(mark: _Mark) -> str:
+    """A marker as it was written: ``gpu(2, memory_gb=40)``."""
+    args = [repr(a) for a in mark.args] + [f"{k}={v!r}" for k, v in mark.kwargs.items()]
+    return f"gpu({', '.join(args)})"

@@ -17,7 +17,10 @@ With it, e.g. ``pytest -m "gpu or vllm" --gpus 0,1,2,3``:
 
 Options: ``--gpus`` (ids, ``all`` or ``fake:N``: see `inventory.py`), ``--gpu-timeout``
 (seconds per test; a marker's ``timeout_s`` overrides it), ``--gpu-retries`` (extra attempts
-for CUDA out-of-memory and address-in-use failures) and ``--gpu-durations`` (the cache file).
+for CUDA out-of-memory and address-in-use failures) and ``--gpu-durations`` (the cache file,
+in a folder that exists: the plugin writes that one file and creates no folder). A test with
+two ``gpu`` markers at one level (two stacked decorators) is refused, naming it: which of the
+two counts would be a guess.
 """
 
 from __future__ import annotations
@@ -97,9 +100,18 @@ def read_options(config: pytest.Config) -> Options:
     if not str(retries).isdigit():
         raise pytest.UsageError(f"--gpu-retries {retries!r}: give a whole number >= 0 "
                                 f"(default {DEFAULT_RETRIES})")
-    path = Path(config.getoption("gpu_durations"))
+    given = config.getoption("gpu_durations")
+    path = Path(given) if Path(given).is_absolute() else config.rootpath / given
+    # The cache is one file, written beside itself: the plugin creates that file and nothing
+    # else, so a folder that does not exist (a typo, or a path from another machine) is
+    # refused here, before any test runs, rather than made.
+    if path.is_dir() or not path.parent.is_dir():
+        what = (f"{path} is a folder" if path.is_dir() else
+                f"its folder {path.parent} does not exist, and the plugin makes none")
+        raise pytest.UsageError(f"--gpu-durations {given!r}: {what}; give a file in an "
+                                f"existing folder (default {DEFAULT_PATH} in the rootdir)")
     return Options(inventory=inventory, timeout_s=timeout_s, retries=int(retries),
-                   durations=path if path.is_absolute() else config.rootpath / path)
+                   durations=path)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -299,8 +311,10 @@ def _workdir(config: pytest.Config) -> tuple[Path, bool]:
 
 
 def _describe(inventory: Inventory) -> str:
-    ids = ",".join(g.id for g in inventory.gpus)
-    return f"{ids}, simulated" if inventory.fake else ids
+    ids = [g.id for g in inventory.gpus]
+    # A long inventory is named by its ends: a thousand ids would fill the terminal.
+    named = ",".join(ids) if len(ids) <= 16 else f"{ids[0]},...,{ids[-1]} ({len(ids)} GPUs)"
+    return f"{named}, simulated" if inventory.fake else named
 
 
 def _note(attempt: Attempt, spec: ChildSpec) -> str:

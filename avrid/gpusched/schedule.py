@@ -23,7 +23,8 @@ the live run (the plugin, as real tests end). Not here: processes, time itself o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import heapq
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -131,6 +132,8 @@ def why_infeasible(job: Job, gpus: Sequence[Gpu]) -> str:
     """
     if job.gpus > len(gpus):
         return f"needs {job.gpus} GPUs, the inventory has {len(gpus)}"
+    if job.memory_gb is None:  # any GPU fits: no need to look at each (there may be 1,024)
+        return ""
     able = [g for g in gpus if fits(g, job)]
     if len(able) < job.gpus:
         best = max((g.memory_gb for g in gpus if g.memory_gb is not None), default=0.0)
@@ -139,16 +142,21 @@ def why_infeasible(job: Job, gpus: Sequence[Gpu]) -> str:
     return ""
 
 
-def _pick(free: Iterable[str], job: Job, gpus: Mapping[str, Gpu], rank: Mapping[str, int],
+def _pick(free: Collection[str], job: Job, gpus: Mapping[str, Gpu], rank: Mapping[str, int],
           avoid: frozenset[str] = frozenset()) -> tuple[str, ...] | None:
     """`job.gpus` free GPUs with the memory it needs, or None. Preference: outside `avoid`
     (the reservation), then the least memory that fits (best fit: keeps the big GPUs for the
     tests that need them), then inventory order."""
+    if len(free) < job.gpus:  # the usual answer for a waiting test, known without a look
+        return None
     able = [g for g in free if fits(gpus[g], job)]
     if len(able) < job.gpus:
         return None
-    able.sort(key=lambda g: (g in avoid, gpus[g].memory_gb or 0.0, rank[g]))
-    return tuple(sorted(able[:job.gpus], key=rank.__getitem__))
+    # The few best of many free GPUs, without sorting them all (the key is a total order:
+    # the rank breaks every tie, so this picks exactly what a full sort would).
+    best = heapq.nsmallest(job.gpus, able,
+                           key=lambda g: (g in avoid, gpus[g].memory_gb or 0.0, rank[g]))
+    return tuple(sorted(best, key=rank.__getitem__))
 
 
 class Fcfs:
@@ -188,6 +196,8 @@ class LongestFirstBackfill:
         starts: list[Start] = []
         reservation: Reservation | None = None
         for job in view.waiting:
+            if reservation is not None and not free:
+                break  # no GPU left, the reservation made: the rest of the queue cannot start
             if reservation is None:
                 ids = _pick(free, job, gpus, rank)
                 if ids is None:
@@ -219,8 +229,8 @@ def reserve(job: Job, now: float, free: Iterable[str], running: Iterable[Running
     for r in running:
         free_at.update((g, max(r.expected_end, now)) for g in r.gpus)
     rank = {g.id: i for i, g in enumerate(gpus)}
-    able = sorted((g.id for g in gpus if fits(g, job) and g.id in free_at),
-                  key=lambda g: (free_at[g], rank[g]))[:job.gpus]
+    able = heapq.nsmallest(job.gpus, (g.id for g in gpus if fits(g, job) and g.id in free_at),
+                           key=lambda g: (free_at[g], rank[g]))
     if len(able) < job.gpus:  # the Scheduler drops such jobs first; a policy must not loop
         raise ValueError(f"job {job.name!r} can never fit: {why_infeasible(job, gpus)}")
     return Reservation(job=job, gpus=frozenset(able), at=max(free_at[g] for g in able))
