@@ -70,8 +70,11 @@ lint: setup  ## style and the layer import contract
 	$(BIN)/ruff check avrid chapters tests benchmarks
 	$(BIN)/lint-imports
 
-test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here)
-	$(BIN)/python -m pytest
+# `make test CH=2`: only chapter 2's tests (each test file names its chapter with
+# `pytestmark = pytest.mark.chapter(2)`; see tests/conftest.py), for a learner on that chapter.
+CH ?=
+test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here); CH=N: chapter N only
+	$(BIN)/python -m pytest $(if $(CH),--chapter $(CH))
 
 test-vllm: vllm-setup  ## the vllm tier: every vllm-marked test on the real engine (CPU here)
 	$(VBIN)/python -m pytest -m vllm -p no:cacheprovider

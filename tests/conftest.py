@@ -8,12 +8,18 @@
   placement group the test created is still alive, then restarts Ray so the leak cannot
   poison later tests.
 - `backend` runs a test on both backends: Ray (with `ray_cluster`) and in-process.
+- Chapters: each test file says which chapter's layer it tests (``pytestmark =
+  pytest.mark.chapter(2)``), or that it checks the project itself (``pytest.mark.project``:
+  the import contract, packaging, the GPU test scheduler); a docstring example in avrid/
+  belongs to the chapter its module's docstring opens with. ``pytest --chapter 2`` (``make
+  test CH=2``) runs chapter 2's tests only; a test with neither marker fails collection.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +41,46 @@ settings.register_profile("avrid", deadline=None, max_examples=50)
 settings.load_profile("avrid")
 
 RAY_CPUS = 16  # logical scheduling slots, not cores: enough for 2 roles x 8 workers
+CHAPTERS = range(1, 7)  # the chapters that have a layer (and tests) so far
+_CHAPTER_LINE = re.compile(r"\s*Chapter (\d+)\b")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--chapter", type=int, default=None, metavar="N",
+                     help=f"run only chapter N's tests (N in {CHAPTERS.start}.."
+                          f"{CHAPTERS.stop - 1}); `make test CH=N`")
+
+
+def chapter_of(item: pytest.Item) -> int | None:
+    """The chapter a test belongs to: its `chapter(N)` marker, or for a docstring example,
+    the "Chapter N" its module's docstring opens with; None for the project's own tests."""
+    marker = item.get_closest_marker("chapter")
+    if marker is not None:
+        return int(marker.args[0])
+    dtest = getattr(item, "dtest", None)  # a doctest item: read its module's docstring
+    if dtest is not None:
+        found = _CHAPTER_LINE.match(dtest.globs.get("__doc__") or "")
+        return int(found.group(1)) if found else None
+    if item.get_closest_marker("project") is None:
+        raise pytest.UsageError(f"{item.nodeid} says neither which chapter it tests nor that "
+                                f"it tests the project: add `pytestmark = "
+                                f"pytest.mark.chapter(N)` (or `pytest.mark.project`) to "
+                                f"{item.path.name}")
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Check every test's chapter; with --chapter N keep only chapter N's."""
+    wanted = config.getoption("--chapter")
+    if wanted is not None and wanted not in CHAPTERS:
+        raise pytest.UsageError(f"--chapter {wanted}: the chapters are "
+                                f"{CHAPTERS.start}..{CHAPTERS.stop - 1}")
+    chapters = {item.nodeid: chapter_of(item) for item in items}
+    if wanted is None:
+        return
+    keep = [item for item in items if chapters[item.nodeid] == wanted]
+    config.hook.pytest_deselected(items=[i for i in items if chapters[i.nodeid] != wanted])
+    items[:] = keep
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

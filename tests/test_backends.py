@@ -24,6 +24,8 @@ from avrid.workers import (
 )
 from tests.helpers import EchoWorker, OtherWorker
 
+pytestmark = pytest.mark.chapter(1)
+
 
 def colocated_plan() -> Any:
     """actor (dp=2) and rollout (dp=2) share 2 bundles; critic has a pool of its own."""

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from avrid.dispatch import Batch, Packed
 
+pytestmark = pytest.mark.chapter(2)
+
 
 def make_batch(lengths: list[tuple[int, int]], first_id: int = 0) -> Batch:
     """A batch whose token values encode (sample id, position) so any mix-up shows."""

@@ -13,6 +13,8 @@ import pytest
 
 from avrid.cli import CHAPTERS
 
+pytestmark = pytest.mark.project
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_SAYS = {"ch01_workers": "same all-reduce results: true",
              "ch02_dispatch": "all checks passed",
@@ -21,6 +23,11 @@ DEMO_SAYS = {"ch01_workers": "same all-reduce results: true",
              "ch05_ppo": "all checks passed",
              "ch06_async": "all checks passed"}
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# Each demo and notebook belongs to its chapter (`make test CH=N` runs chapter N's).
+DEMOS = [pytest.param(pkg, marks=pytest.mark.chapter(int(pkg[2:4])), id=pkg)
+         for pkg, _ in CHAPTERS]
+BOOKS = [pytest.param(p, marks=pytest.mark.chapter(int(p.stem[:2])), id=p.stem)
+         for p in NOTEBOOKS]
 TEXT_ONLY = {"01_workers"}
 """Notebooks that draw nothing (chapter 1's story is identities, meshes and placement, told
 in printed tables); every other notebook must be saved with its figures."""
@@ -28,7 +35,7 @@ in printed tables); every other notebook must be saved with its figures."""
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("chapter", [pkg for pkg, _ in CHAPTERS])
+@pytest.mark.parametrize("chapter", DEMOS)
 def test_chapter_demo_runs_on_cpu(chapter: str) -> None:
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", f"chapters.{chapter}"], cwd=ROOT,
@@ -39,7 +46,7 @@ def test_chapter_demo_runs_on_cpu(chapter: str) -> None:
     assert DEMO_SAYS[chapter] in run.stdout.lower()
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", BOOKS)
 def test_notebook_cells_fit_on_video(path: Path) -> None:
     nb = json.loads(path.read_text())
     wide = [line for cell in nb["cells"] if cell["cell_type"] == "code"
@@ -49,7 +56,7 @@ def test_notebook_cells_fit_on_video(path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", BOOKS)
 def test_notebook_executes(path: Path) -> None:
 
     nb = execute(path)
@@ -62,7 +69,7 @@ def test_notebook_executes(path: Path) -> None:
     assert not stderr, stderr
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", BOOKS)
 def test_notebook_is_committed_with_its_outputs_and_figures(path: Path) -> None:
     # On the web (GitHub, nbviewer) a notebook shows only what was saved in it: every code
     # cell that prints or draws must carry its output, figures included. Refresh them with

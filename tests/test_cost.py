@@ -17,6 +17,8 @@ from avrid.dispatch.cost import (
 )
 from avrid.dispatch.partition import partition
 
+pytestmark = pytest.mark.chapter(2)
+
 LLAMA_7B = {"hidden_size": 4096, "num_layers": 32, "intermediate_size": 11008,
             "vocab_size": 32000}
 lengths = st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 10_000)), max_size=50)

@@ -19,6 +19,8 @@ from avrid.dispatch import (
 from avrid.dispatch.microbatch import _spread
 from tests.test_batch import make_batch
 
+pytestmark = pytest.mark.chapter(2)
+
 lengths = st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)), min_size=1, max_size=60)
 configs = st.builds(
     DispatchConfig, method=st.sampled_from(["kk", "lpt", "contiguous"]),

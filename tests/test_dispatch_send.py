@@ -11,6 +11,8 @@ from avrid.workers import Backend, Mesh, ResourcePool, RoleSpec, plan_placement
 from tests.helpers import ShardWorker
 from tests.test_batch import make_batch
 
+pytestmark = pytest.mark.chapter(2)
+
 
 def launch(backend: Backend, mesh: Mesh):  # noqa: ANN201
     plan = plan_placement([ResourcePool.uniform("cpu", mesh.size, cpus=0.5)],

@@ -15,6 +15,8 @@ from avrid.reshard.fingerprint import (
     region_checksum,
 )
 
+pytestmark = pytest.mark.chapter(4)
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
 

@@ -8,7 +8,7 @@ import pytest
 from avrid.workers import Mesh, ResourcePool, RoleSpec, plan_placement
 from tests.helpers import CudaWorker
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.chapter(1), pytest.mark.usefixtures("ray_cluster")]
 
 
 @pytest.mark.gpu(count=1, duration_s=30, memory_gb=2)

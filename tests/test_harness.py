@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import hardware_skip_reason
 
+pytestmark = pytest.mark.project
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

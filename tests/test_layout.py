@@ -13,6 +13,8 @@ from pathlib import Path
 import grimp
 import pytest
 
+pytestmark = pytest.mark.project
+
 ROOT = Path(__file__).resolve().parents[1]
 PPO = ROOT / "avrid" / "ppo"
 MAX_LINES = 400

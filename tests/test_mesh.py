@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from avrid.workers import Mesh, MeshError
 
+pytestmark = pytest.mark.chapter(1)
+
 sizes = st.lists(st.integers(1, 4), min_size=1, max_size=4)
 
 

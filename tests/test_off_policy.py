@@ -19,6 +19,8 @@ from avrid.ppo.algo.off_policy import (
     weight_stats,
 )
 
+pytestmark = pytest.mark.chapter(6)
+
 T = torch.tensor
 INF = math.inf
 

@@ -29,6 +29,8 @@ from avrid.dispatch.partition import (
     partition,
 )
 
+pytestmark = pytest.mark.chapter(2)
+
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "kk": karmarkar_karp, "lpt": greedy_lpt, "contiguous": contiguous}
 

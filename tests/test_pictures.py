@@ -30,6 +30,8 @@ from chapters.ch04_resharding.figure import (
     transfer_figure,
 )
 
+pytestmark = pytest.mark.chapter(3)
+
 T0 = 1_700_000_000.0
 GRPO_PHASES = [p for p in PHASES if p not in ("ref_logp", "values", "critic_update")]
 DRIVER_CALLS = ("plan", "split", "submit", "wait", "receive", "merge")

@@ -32,6 +32,8 @@ from tests.pipeline_workers import (
     RaisingRollout,
 )
 
+pytestmark = pytest.mark.chapter(6)
+
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = ("time/", "perf/", "sync/", "pipeline/")
 """Keys that differ between the hybrid and the disaggregated loop by design: timings, the

@@ -15,6 +15,8 @@ from avrid.workers import (
 )
 from tests.helpers import EchoWorker
 
+pytestmark = pytest.mark.chapter(1)
+
 
 def role(name: str, pool: str, n: int, **kw: object) -> RoleSpec:
     return RoleSpec(role=name, worker=EchoWorker, mesh=Mesh.of(dp=n), pool=pool, **kw)

@@ -15,6 +15,8 @@ from avrid.dispatch.plan_cache import (
     plan_cache_stats,
 )
 
+pytestmark = pytest.mark.chapter(2)
+
 
 @pytest.fixture(autouse=True)
 def empty_cache() -> Iterator[None]:

@@ -27,6 +27,8 @@ from avrid.ppo.setup.presets import preset
 from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, Worker, plan_placement
 from tests.test_ppo_trainer import algorithmic
 
+pytestmark = pytest.mark.chapter(5)
+
 SPEC = TinyModelSpec(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=4)
 

@@ -25,6 +25,8 @@ from avrid.ppo.outputs.checkpoint import (
 from avrid.ppo.outputs.manifest import verify_checkpoint
 from avrid.ppo.outputs.outdir import WriteError, remove_stale_temp_dirs
 
+pytestmark = pytest.mark.chapter(5)
+
 
 def save(root: Path, step: int, **kw: object) -> Path:
     args: dict = {"weights": {"actor": {"w": torch.full((2,), float(step))}},

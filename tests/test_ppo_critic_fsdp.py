@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -27,6 +28,8 @@ from avrid.workers.identity import Rendezvous
 from avrid.workers.outcome import free_port
 from tests.helpers import GradRecorder
 from tests.test_ppo_updates import NORM_LEN, PAD, VOCAB, config, make_batch
+
+pytestmark = pytest.mark.chapter(5)
 
 WORLD = 2
 AGG = "seq-mean-token-mean"  # per-row weights that span ranks: the weighting is exercised

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,8 @@ from avrid.ppo.roles.forward import response_logprobs, train_shard
 from avrid.results import ResultBuilder
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder
+
+pytestmark = pytest.mark.chapter(5)
 
 VOCAB, NORM_LEN = 11, 6
 MODEL = build_tiny_policy(TinyModelSpec(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,

@@ -33,6 +33,8 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.tokenizer import CharTokenizer
 
+pytestmark = pytest.mark.chapter(5)
+
 IDS = torch.tensor([[2, 5, 7, 12, 3, 1], [4, 4, 9, 2, 11, 6]])
 DIGITS = CharTokenizer("0123456789=")  # the digits task's alphabet: vocab 13, eos 1, pad 0
 

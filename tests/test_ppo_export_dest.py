@@ -26,6 +26,8 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.tokenizer import CharTokenizer
 
+pytestmark = pytest.mark.chapter(5)
+
 DIGITS = CharTokenizer("0123456789=")
 
 

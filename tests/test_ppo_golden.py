@@ -25,6 +25,8 @@ from avrid.ppo.driver.run import train
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 
+pytestmark = pytest.mark.chapter(5)
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RUNS = {"ppo": "tiny-ppo", "grpo": "tiny-grpo"}
 """Golden file stem -> preset: the two runs `avrid ppo` and `avrid ppo --algo grpo` make."""

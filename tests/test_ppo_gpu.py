@@ -29,7 +29,7 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.chapter(5), pytest.mark.usefixtures("ray_cluster")]
 
 # The tiny PPO preset cut to one step of 8 prompts x 4 responses on CUDA with the torch engine.
 TINY_CUDA = ("placement.device=cuda", "rollout.engine=torch", "train.steps=1",

@@ -25,6 +25,8 @@ from avrid.ppo.algo.losses import (
     value_loss,
 )
 
+pytestmark = pytest.mark.chapter(5)
+
 T = torch.tensor
 ONES3 = torch.ones(1, 3)
 # Two rows of different valid lengths: 3 and 1 tokens.

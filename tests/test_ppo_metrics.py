@@ -22,6 +22,8 @@ from avrid.results.result import RESULT_VERSION, Span, WorkerResult
 from avrid.results.timeline import Timeline
 from avrid.workers import WorkerIdentity
 
+pytestmark = pytest.mark.chapter(5)
+
 
 def run(path: Path, steps: range, resume_step: int | None = None) -> None:
     with MetricsLogger(path, resume_step=resume_step) as log:

@@ -23,6 +23,8 @@ from avrid.ppo.roles.policy import actor_update_reads
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 
+pytestmark = pytest.mark.chapter(5)
+
 MACHINE = ("time/", "perf/", "sync/", "pipeline/overlap", "pipeline/queue")
 
 CASES = {

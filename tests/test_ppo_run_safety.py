@@ -27,6 +27,8 @@ from avrid.ppo.setup.presets import PRESETS
 from tests.test_ppo_checkpoint import tamper
 from tests.test_ppo_trainer import ROOT, EchoFirstTask, algorithmic, tiny
 
+pytestmark = pytest.mark.chapter(5)
+
 
 @pytest.fixture
 def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:

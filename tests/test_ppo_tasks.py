@@ -16,6 +16,8 @@ from avrid.ppo.setup.gsm8k import Gsm8kTask, extract_answer
 from avrid.ppo.setup.task import Prompt, Task, check_reward
 from avrid.ppo.setup.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
+pytestmark = pytest.mark.chapter(5)
+
 # --- a user-defined task, loaded below through "tests.test_ppo_tasks:make_custom_task" ---
 
 

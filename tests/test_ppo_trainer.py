@@ -22,6 +22,8 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.task import Prompt
 
+pytestmark = pytest.mark.chapter(5)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Keys that measure the machine, not the algorithm: never compared between runs.

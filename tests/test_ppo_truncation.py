@@ -29,6 +29,8 @@ from avrid.ppo.setup.presets import preset
 from avrid.results import merge_metrics
 from avrid.workers import WorkerIdentity
 
+pytestmark = pytest.mark.chapter(5)
+
 T = torch.tensor
 
 

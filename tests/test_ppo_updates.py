@@ -26,6 +26,8 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.workers import WorkerIdentity
 from tests.helpers import GradRecorder
 
+pytestmark = pytest.mark.chapter(5)
+
 VOCAB, PAD, EOS = 16, 0, 1
 NORM_LEN = 5
 PROMPT_LENS, RESPONSE_LENS = [2, 3, 1, 2], [3, 1, 4, 2]

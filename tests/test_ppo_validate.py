@@ -22,6 +22,8 @@ from avrid.ppo.setup.task import Prompt
 from avrid.ppo.setup.tokenizer import CharTokenizer
 from avrid.ppo.setup.validate import validate
 
+pytestmark = pytest.mark.chapter(5)
+
 
 def inprocess(out: Path, *extra: str) -> PPOConfig:
     return with_overrides(preset("tiny-ppo"), [

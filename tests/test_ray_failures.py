@@ -21,7 +21,7 @@ from avrid.workers import (
 )
 from tests.helpers import BrokenInitWorker, EchoWorker
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.chapter(1), pytest.mark.usefixtures("ray_cluster")]
 
 
 def _backend(**kw: float):  # noqa: ANN202

@@ -24,6 +24,8 @@ from ray.cluster_utils import Cluster
 
 from avrid.workers import WorkerIdentity, start_ray
 
+pytestmark = pytest.mark.chapter(1)
+
 NODE_CPUS = 2  # per node: one policy bundle (1 CPU) on each, with room to spare
 
 

@@ -25,6 +25,8 @@ from avrid.reshard.planner import plan_transfer
 from avrid.reshard.tp_layout import decoder_tp_layout
 from avrid.workers import Worker
 
+pytestmark = pytest.mark.chapter(4)
+
 HEAD_DIM = 4
 
 

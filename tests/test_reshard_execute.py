@@ -15,7 +15,7 @@ from avrid.reshard.tp_layout import decoder_tp_layout
 from avrid.workers import Mesh, ResourcePool, RoleSpec, plan_placement
 from tests.helpers import ReshardWorker
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.chapter(4), pytest.mark.usefixtures("ray_cluster")]
 
 
 def decoder_shapes(layers: int = 2, hidden: int = 16, inter: int = 24,

@@ -23,6 +23,8 @@ from avrid.reshard.layout import (
 from avrid.reshard.planner import TransferPlan, plan_transfer
 from avrid.reshard.tp_layout import decoder_tp_layout
 
+pytestmark = pytest.mark.chapter(4)
+
 
 def rows(layout: ParamLayout) -> list[tuple[int, int] | None]:
     """Each rank's dim-0 range (None for a rank holding nothing)."""

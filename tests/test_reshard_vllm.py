@@ -26,7 +26,7 @@ from avrid.reshard import ModelLayout, check_same, fingerprint
 from avrid.reshard.fingerprint import StaleWeightsError
 from avrid.reshard.tp_layout import decoder_tp_layout
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.chapter(4), pytest.mark.vllm]
 
 SPEC = TinyModelSpec(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                      num_heads=2, num_kv_heads=2, max_positions=256)

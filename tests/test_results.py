@@ -27,6 +27,8 @@ from avrid.workers import Mesh, WorkerIdentity
 from tests.helpers import fake_log_probs
 from tests.test_batch import make_batch
 
+pytestmark = pytest.mark.chapter(3)
+
 lengths = st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=40)
 
 

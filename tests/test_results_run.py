@@ -12,6 +12,8 @@ from avrid.workers import Backend, Mesh, ResourcePool, RoleSpec, plan_placement
 from tests.helpers import ResultWorker
 from tests.test_batch import make_batch
 
+pytestmark = pytest.mark.chapter(3)
+
 
 @pytest.mark.parametrize("strategy", ["micro", "padded"])
 def test_round_trip_in_a_dp_x_tp_group(backend: Backend, strategy: str) -> None:

@@ -13,6 +13,8 @@ from avrid.results.result import RESULT_VERSION, Span, WorkerResult
 from avrid.results.timeline import Lane, Timeline
 from avrid.workers import WorkerIdentity
 
+pytestmark = pytest.mark.chapter(3)
+
 T0 = 1_700_000_000.0  # a realistic wall-clock origin: offsets must survive float arithmetic
 
 
