@@ -284,9 +284,11 @@ def trainer_logprobs(model: Any, prompts: Any, completions: Any, *, temperature:
 
 
 class TensorEchoWorker(Worker):
-    """Returns what it was sent, and whether this process sends tensors by the numpy wire."""
+    """Returns what it was sent, and whether this process has a serializer for tensors
+    registered with Ray (avrid must not register one: its wire is its own pickler's)."""
 
     def echo(self, value: Any) -> tuple[Any, bool]:
-        from avrid.workers import tensor_wire
+        import ray
+        import torch
 
-        return value, tensor_wire._registered
+        return value, torch.Tensor in ray.cloudpickle.CloudPickler.dispatch

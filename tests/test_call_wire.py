@@ -1,10 +1,19 @@
 """Chapter 1: a call's arguments and its result cross Ray as one pickled byte string each way
 (`workers/call_wire.py`): the same objects arrive, tensors bit for bit and writable, large
-tensors out of band, Ray handles and unpicklable values the ordinary way."""
+tensors out of band; Ray handles, values only cloudpickle carries and code from `__main__` or
+a by-value module the ordinary way (with the reply still packed); what cannot be unpickled
+is named. `test_wire_guest.py` runs the `__main__` case as a real script."""
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
 import pytest
+import ray
 import torch
 
 from avrid.dispatch import Batch, make_plan
@@ -19,9 +28,19 @@ from avrid.workers import (
     WorkerIdentity,
     plan_placement,
 )
-from avrid.workers.call_wire import Unpacked, pack, pack_result, unpack, unpack_result
+from avrid.workers.call_wire import (
+    Stored,
+    Unpacked,
+    WireError,
+    pack,
+    pack_result,
+    unpack,
+    unpack_result,
+)
 from avrid.workers.tensor_wire import INBAND_BYTES
 from tests.test_tensor_wire import same_bits, samples
+
+pytestmark = pytest.mark.chapter(1)
 
 
 def a_batch(n: int = 6) -> Batch:
@@ -80,12 +99,67 @@ def test_what_plain_pickling_cannot_carry_goes_the_ordinary_way() -> None:
     assert pack_result(None) == pack(None)[0]  # no buffers: the bytes alone (Ray's fast path)
 
 
+class Note:
+    """A class to be seen from elsewhere (`__main__`, a by-value module)."""
+
+
+@pytest.fixture
+def main_note(monkeypatch: pytest.MonkeyPatch) -> type:
+    """`Note`'s twin defined, as far as pickle can tell, in the running script."""
+    twin = type("MainNote", (), {"__module__": "__main__"})
+    monkeypatch.setattr(sys.modules["__main__"], "MainNote", twin, raising=False)
+    return twin
+
+
+@pytest.fixture
+def a_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """A module of the test's own, importable here (and only here); unloaded after."""
+    (tmp_path / "wire_probe_mod.py").write_text("class Thing:\n    pass\n\n\n"
+                                                "def twice(v):\n    return 2 * v\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import wire_probe_mod
+
+    yield wire_probe_mod
+    sys.modules.pop("wire_probe_mod", None)
+
+
+def test_code_from_main_or_a_by_value_module_goes_the_ordinary_way(
+        main_note: type, a_module: ModuleType) -> None:
+    """The C pickler would name them (a worker's `__main__` is Ray's; a by-value module is
+    not importable there): they go to cloudpickle, which sends them by value."""
+    assert pack(main_note()) is None and pack([main_note]) is None
+    assert isinstance(pack_result(main_note()), Unpacked)
+    assert pack(a_module.Thing()) is not None  # importable everywhere, as far as we know
+    ray.cloudpickle.register_pickle_by_value(a_module)
+    try:
+        assert pack(a_module.Thing()) is None and pack((a_module.twice,)) is None
+        assert isinstance(pack_result(a_module.twice), Unpacked)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(a_module)
+    assert pack(Note()) is not None  # the rest still goes the fast way
+
+
+def test_what_cannot_be_unpickled_is_named(a_module: ModuleType) -> None:
+    blob, buffers = pack({"thing": a_module.Thing()})
+    sys.modules.pop("wire_probe_mod")  # now this process cannot import it ...
+    sys.path.remove(str(Path(a_module.__file__).parent))  # ... like a worker
+    with pytest.raises(WireError, match=r"^Echo\.echo did not run: .*`wire_probe_mod\.Thing` "
+                       r"cannot be found here \(ModuleNotFoundError"):
+        unpack(blob, buffers, failure="Echo.echo did not run")
+    with pytest.raises(WireError, match="the result could not be unpickled on the driver"):
+        unpack_result(blob)
+
+
 class Echo(Worker):
     """Answers with what it was sent, to see both the wire path and the ordinary one."""
 
     def echo(self, value: object, *, scale: int = 1) -> object:
         """`value` (a tensor times `scale`) back, as the method received it."""
         return value * scale if isinstance(value, torch.Tensor) else value
+
+    def made(self) -> torch.Tensor:
+        """A tensor, for a call without arguments."""
+        return torch.arange(INBAND_BYTES, dtype=torch.int16)
 
     def fail(self, value: object) -> None:
         """Raise, to see the error cross the wire path unchanged."""
@@ -113,10 +187,28 @@ def test_ray_calls_take_the_wire_and_answer_the_same(echo_group) -> None:  # noq
 
 def test_a_ray_handle_goes_the_ordinary_way_and_is_resolved(echo_group) -> None:  # noqa: ANN001
     ref = echo_group.put(torch.arange(5))
+    assert isinstance(ray.get(ref), Stored)  # packed before it was stored
     pending = echo_group.submit(Echo.echo, ref)
-    assert not any(t.wired for t in pending.tickets)  # Ray resolves it before the method runs
+    assert all(t.wired for t in pending.tickets)  # the reply comes back packed all the same
     for got in pending.result():
         assert torch.equal(got, torch.arange(5))
+    shard = make_plan(a_batch(), 2).split(a_batch())[1]
+    for got in echo_group.call(Echo.echo, echo_group.put(shard)):
+        assert torch.equal(got.batch.sample_ids, shard.batch.sample_ids)
+        assert same_bits(got.batch.scalars["score"], shard.batch.scalars["score"])
+
+
+def test_a_call_without_arguments_answers_packed(echo_group) -> None:  # noqa: ANN001
+    pending = echo_group.submit(Echo.made)
+    assert all(t.wired for t in pending.tickets)
+    for got in pending.result():
+        assert torch.equal(got, torch.arange(INBAND_BYTES, dtype=torch.int16))
+
+
+def test_an_argument_nothing_can_pickle_is_refused_before_the_call(
+        echo_group) -> None:  # noqa: ANN001
+    with pytest.raises(TypeError, match=r"echo\.echo\(\) was not called: .*lock"):
+        echo_group.call(Echo.echo, threading.Lock())
 
 
 def test_an_error_on_the_wire_path_is_reported_as_before(echo_group) -> None:  # noqa: ANN001

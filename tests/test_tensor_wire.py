@@ -1,5 +1,6 @@
-"""Chapter 1: torch tensors cross Ray processes as numpy buffers (`workers/tensor_wire.py`),
-bit for bit, writable on arrival, and faster than torch's own pickling."""
+"""Chapter 1: torch tensors cross Ray processes in avrid's calls as numpy buffers
+(`workers/tensor_wire.py`), bit for bit, writable on arrival, and faster than torch's own
+pickling; nothing is registered with Ray (`test_wire_guest.py` checks the user's side)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from avrid.workers.tensor_wire import INBAND_BYTES, _from_wire, _to_wire
+
+pytestmark = pytest.mark.chapter(1)
 
 
 def samples() -> dict[str, torch.Tensor]:
@@ -69,8 +72,11 @@ def test_what_numpy_cannot_carry_keeps_torch_s_own_reduction() -> None:
 
 
 def test_tensors_cross_ray_actors_bit_identical(ray_cluster: None) -> None:
-    """Driver -> actor -> driver with the wire registered on both sides (`RayBackend` does
-    it): every sample comes back bit for bit; an `nn.Parameter` keeps its type."""
+    """Driver -> actor -> driver inside avrid's calls: every sample comes back bit for bit;
+    an `nn.Parameter` keeps its type; and neither side registered a serializer with Ray (the
+    wire is `call_wire`'s own pickler's, so the user's Ray code is left alone)."""
+    import ray
+
     from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, plan_placement
     from tests.helpers import TensorEchoWorker
 
@@ -81,8 +87,8 @@ def test_tensors_cross_ray_actors_bit_identical(ray_cluster: None) -> None:
     with RayBackend().launch(placement) as cluster:
         [(back, registered)] = cluster.group("echo", TensorEchoWorker).call(
             TensorEchoWorker.echo, sent)
-    # The worker's module never imported torch: the first tensor it received registered it.
-    assert registered
+        assert torch.Tensor not in ray.cloudpickle.CloudPickler.dispatch  # the driver's
+    assert not registered  # the worker's
     for name, tensor in sent.items():
         assert same_bits(tensor, back[name]), name
     assert isinstance(back["parameter"], torch.nn.Parameter)

@@ -19,10 +19,19 @@ Rules it keeps:
 - tensors cross as `tensor_wire` sends them (bit-for-bit, writable on receipt): a small one as
   bytes inside the pickle; a large one's bytes *out of band*, passed to Ray as an argument
   of their own, a numpy array Ray copies into its object store without pickling it — so a
-  large batch is not copied into the pickle;
-- what the C pickler cannot carry goes Ray's ordinary way, unchanged (`pack` returns None):
-  a Ray handle (an ObjectRef — Ray resolves those only among a call's own arguments, and
-  counts references while pickling them — or an actor handle), a lambda, a local class.
+  large batch is not copied into the pickle. The rule lives in this pickler's own
+  ``dispatch_table``, not in Ray: the user's own Ray code pickles tensors as it always did;
+- what must go Ray's ordinary way goes there, unchanged (`pack` returns None; the worker's
+  reply is still packed): a Ray handle (an ObjectRef — Ray resolves those only among a
+  call's own arguments, and counts references while pickling them — or an actor handle), a
+  lambda, a local class; and a class or function the C pickler would send *by name* where
+  the worker cannot look that name up: one of ``__main__`` (a script's or a notebook's; a
+  Ray worker's ``__main__`` is Ray's own) or of a module registered with
+  ``ray.cloudpickle.register_pickle_by_value``. cloudpickle sends those by value;
+- a value stored once for several ranks (`Stored`, from `RayBackend`'s ``put``) is packed
+  the same way before it goes into Ray's object store;
+- what cannot be unpickled where it arrives is a `WireError` naming the class or function
+  that could not be found there and, for arguments, saying the method did not run.
 
 Not here: which shard goes to which rank (chapter 2) or how results merge (chapter 3).
 """
@@ -34,16 +43,23 @@ import io
 import pickle
 import sys
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import FunctionType, MappingProxyType
 from typing import Any
 
 import numpy as np
+from ray import cloudpickle
 
 from avrid.workers.tensor_wire import reduce_tensor
 
 
+class WireError(RuntimeError):
+    """A call's arguments (or its result) could not be unpickled where they arrived; the
+    message names the class or function that could not be found there."""
+
+
 class _NotPlain(Exception):
-    """Raised while pickling a value that must go Ray's ordinary way (a Ray handle)."""
+    """Raised while pickling a value that must go Ray's ordinary way (a Ray handle, code the
+    worker must get by value)."""
 
 
 def _refuse(value: object) -> Any:
@@ -76,23 +92,81 @@ def _dispatch_table() -> dict[type, Any]:
     return table
 
 
+class _CallPickler(pickle.Pickler):
+    """The standard library's C pickler with this file's reduction rules, refusing (with
+    `_NotPlain`) a class or function it would send by name that a worker cannot look up by
+    that name: one of ``__main__`` (a Ray worker's ``__main__`` is Ray's own), or of a module
+    registered with ``ray.cloudpickle.register_pickle_by_value`` (and its submodules)."""
+
+    def __init__(self, out: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> None:
+        super().__init__(out, protocol=5, buffer_callback=buffers.append)
+        self.dispatch_table = _dispatch_table()
+        self._by_value = tuple(cloudpickle.list_registry_pickle_by_value())  # usually empty
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called once per object that is not a number, string or built-in container (a
+        # shard has ~40): cheap next to pickling, and independent of how many bytes it holds.
+        if isinstance(obj, (type, FunctionType)):
+            module = getattr(obj, "__module__", None) or ""
+            if module == "__main__" or any(module == name or module.startswith(name + ".")
+                                           for name in self._by_value):
+                raise _NotPlain(f"{module}.{obj.__qualname__}")
+        return NotImplemented  # everything else: the C pickler's own rules
+
+
 def pack(value: Any) -> tuple[bytes, list[np.ndarray]] | None:
     """`value` pickled: the byte string and its out-of-band buffers (large tensors' bytes,
-    as flat uint8 arrays). None if it holds something that must go Ray's ordinary way."""
+    as flat uint8 arrays). None if it must go Ray's ordinary way: it holds a Ray handle,
+    something the C pickler cannot carry, or code the worker can only get by value."""
     out = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
-    pickler = pickle.Pickler(out, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _dispatch_table()
     try:
-        pickler.dump(value)
+        _CallPickler(out, buffers).dump(value)
     except (_NotPlain, pickle.PicklingError, TypeError, AttributeError):
-        return None  # a Ray handle, a lambda or a local class: Ray's own pickling copes
+        # A Ray handle, a lambda, a local class, code from __main__: Ray's cloudpickle copes.
+        return None
     return out.getvalue(), [np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers]
 
 
-def unpack(blob: bytes, buffers: tuple[Any, ...] | list[Any] = ()) -> Any:
-    """The value `pack` pickled, from its byte string and out-of-band buffers."""
-    return pickle.loads(blob, buffers=buffers)
+class _NameFinder(pickle.Unpickler):
+    """An unpickler that remembers the class or function it could not look up (run only
+    after a failure, to say what was missing)."""
+
+    missing = ""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except Exception:
+            self.missing = f"{module}.{name}"
+            raise
+
+
+def unpack(blob: bytes, buffers: tuple[Any, ...] | list[Any] = (), *,
+           failure: str = "a value could not be unpickled here") -> Any:
+    """The value `pack` pickled, from its byte string and out-of-band buffers.
+
+    Raises:
+        WireError: it cannot be unpickled in this process (say, a class or function it
+            refers to by name cannot be imported here): `failure`, then the name that could
+            not be found and the error.
+    """
+    try:
+        return pickle.loads(blob, buffers=buffers)
+    except Exception as exc:
+        finder = _NameFinder(io.BytesIO(blob), buffers=buffers)
+        try:  # again, slowly, to learn which name was missing
+            finder.load()
+        except Exception:
+            pass
+        cause = f"{type(exc).__name__}: {exc}"
+        if finder.missing:
+            cause = f"`{finder.missing}` cannot be found here ({cause})"
+        raise WireError(
+            f"{failure}: {cause}. A class or function crosses by name: its module must be "
+            f"importable on both sides, or registered with "
+            f"ray.cloudpickle.register_pickle_by_value(module) to be sent by value"
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +174,22 @@ class Unpacked:
     """A reply that could not be packed (it holds a Ray handle, say): Ray pickles it."""
 
     value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A value packed before it went into Ray's object store (`_RayChannel.put`): the worker
+    that receives it as an argument unpacks it (`unstore`)."""
+
+    blob: bytes
+    buffers: list[np.ndarray]
+
+
+def unstore(value: Any, *, failure: str = "a stored value could not be unpickled") -> Any:
+    """`value`, or the value a `Stored` stands for (`unpack` says what `failure` means)."""
+    if isinstance(value, Stored):
+        return unpack(value.blob, value.buffers, failure=failure)
+    return value
 
 
 def pack_result(value: Any) -> bytes | tuple[bytes, list[np.ndarray]] | Unpacked:
@@ -113,7 +203,9 @@ def pack_result(value: Any) -> bytes | tuple[bytes, list[np.ndarray]] | Unpacked
 
 
 def unpack_result(reply: bytes | tuple[bytes, list[Any]] | Unpacked) -> Any:
-    """The value a `pack_result` reply stands for."""
+    """The value a `pack_result` reply stands for (`WireError` if it cannot be unpickled
+    here)."""
     if isinstance(reply, Unpacked):
         return reply.value
-    return unpack(reply) if isinstance(reply, bytes) else unpack(*reply)
+    blob, buffers = (reply, ()) if isinstance(reply, bytes) else reply
+    return unpack(blob, buffers, failure="the result could not be unpickled on the driver")

@@ -10,10 +10,12 @@
    port), then starts one actor *of the worker class itself* per rank in its bundle
    (fractional GPU shares for colocated roles), each built with its identity.
 
-Calls go out as ordinary actor method calls (``actor.step.remote(...)``); `_RayChannel.gather`
-waits in short slices so that a rank that raised or whose process died is reported within about
-a second — even while its peers are blocked in a collective waiting for it — and a stuck call
-ends at its timeout.
+A `Worker`'s calls go to its `_wire_call`, arguments packed by `call_wire` (or to `_plain_call`
+when Ray must pickle them: a Ray handle, code from ``__main__``); the reply comes back packed.
+`_RayChannel.gather` waits in short slices so that a rank that raised or whose process died is
+reported within about a second — even while its peers are blocked in a collective waiting for
+it — and a stuck call ends at its timeout. avrid registers no serializer with Ray (those are
+process-wide and outlive ``ray.shutdown()``): the user's own Ray tasks pickle as without it.
 
 Not here: how data is split (chapter 2) or how results are merged (chapter 3).
 """
@@ -42,7 +44,6 @@ from avrid.workers.group import WorkerGroup
 from avrid.workers.identity import Rendezvous, WorkerIdentity
 from avrid.workers.outcome import free_port
 from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
-from avrid.workers.tensor_wire import register_tensor_wire
 from avrid.workers.worker import Worker
 
 
@@ -147,7 +148,6 @@ def _record_placement(worker: Worker) -> WorkerIdentity:
     worker.identity = replace(worker.identity, node=ray.util.get_node_ip_address(),
                               node_id=ray.get_runtime_context().get_node_id(),
                               devices=tuple(gpus))
-    register_tensor_wire()  # results go back as numpy buffers, not torch.save
     return worker.identity
 
 
@@ -155,8 +155,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
 
 
 class _Ticket(NamedTuple):
-    """One rank's call in flight: Ray's handle of its reply, and whether the call went
-    through `Worker._wire_call` (its reply is then packed by `call_wire`)."""
+    """One rank's call in flight: Ray's handle of its reply, and whether the reply is packed
+    by `call_wire` (the call went to `Worker._wire_call` or `Worker._plain_call`)."""
 
     ref: ray.ObjectRef
     wired: bool
@@ -174,14 +174,21 @@ class _RayChannel:
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> _Ticket:
-        # A call without arguments has nothing to pack: it goes the ordinary way too.
-        packed = call_wire.pack((args, kwargs)) if self._wired and (args or kwargs) else None
-        if packed is None:
-            # An ordinary actor call (a Ray handle among the arguments: Ray resolves
-            # ObjectRefs before the method runs; or a class that is not a `Worker`).
-            return _Ticket(getattr(self.actors[rank], method).remote(*args, **kwargs), False)
-        blob, buffers = packed  # the arguments as bytes: Ray passes them through untouched
-        return _Ticket(self.actors[rank]._wire_call.remote(method, blob, *buffers), True)
+        actor = self.actors[rank]
+        if not self._wired:  # not a `Worker`: an ordinary actor call, Ray pickles it all
+            return _Ticket(getattr(actor, method).remote(*args, **kwargs), False)
+        packed = call_wire.pack((args, kwargs)) if args or kwargs else None
+        if packed is not None:  # the arguments as bytes: Ray passes them through untouched
+            blob, buffers = packed
+            return _Ticket(actor._wire_call.remote(method, blob, *buffers), True)
+        # No arguments, or ones Ray must pickle: a Ray handle (Ray resolves ObjectRefs among
+        # the arguments before the method runs), a lambda, code from __main__.
+        try:
+            return _Ticket(actor._plain_call.remote(method, *args, **kwargs), True)
+        except TypeError as exc:  # neither pickler can carry an argument: nothing ran
+            ident, cause = self._identities[rank], exc.__cause__ or exc
+            raise TypeError(f"{ident.role}.{method}() was not called: an argument cannot be "
+                            f"sent to {ident.name} ({type(cause).__name__}: {cause})") from exc
 
     def wait(self, tickets: Sequence[_Ticket], ranks: Sequence[int], method: str,
              timeout_s: float | None) -> None:
@@ -219,15 +226,25 @@ class _RayChannel:
             failures = [f for t, r in zip(tickets, ranks, strict=True)
                         if (f := self._failure(t.ref, r, method))]
             raise _root_cause(failures) from None
-        return [call_wire.unpack_result(reply) if t.wired else reply
-                for t, reply in zip(tickets, replies, strict=True)]
+        values = []
+        for t, reply, rank in zip(tickets, replies, ranks, strict=True):
+            try:
+                values.append(call_wire.unpack_result(reply) if t.wired else reply)
+            except call_wire.WireError as exc:  # the method ran; its result cannot be read
+                ident = self._identities[rank]
+                raise WorkerError(role=ident.role, rank=rank, method=method, reason="failed",
+                                  remote_traceback="", detail=str(exc)) from None
+        return values
 
     def done(self, tickets: Sequence[_Ticket]) -> bool:
         ready, _ = ray.wait([t.ref for t in tickets], num_returns=len(tickets), timeout=0)
         return len(ready) == len(tickets)
 
     def put(self, value: Any) -> ray.ObjectRef:
-        return ray.put(value)  # serialised once into the object store; ranks fetch it
+        # Serialised once into the object store; ranks fetch it. Packed first where it can be
+        # (`Worker._plain_call` unpacks it): Ray's own pickling of a shard costs ~3x more.
+        packed = call_wire.pack(value) if self._wired else None
+        return ray.put(value if packed is None else call_wire.Stored(*packed))
 
     def _failure(self, ticket: ray.ObjectRef, rank: int, method: str) -> WorkerError | None:
         """The error a finished call stands for, or None if it succeeded."""
@@ -235,7 +252,9 @@ class _RayChannel:
         try:
             ray.get(ticket)
         except ray.exceptions.RayTaskError as exc:  # the method raised: Ray carries it over
-            return WorkerError(role=ident.role, rank=rank, method=method, reason="raised",
+            # ... unless the call failed before it: its arguments could not be unpickled.
+            reason = "failed" if isinstance(exc.cause, call_wire.WireError) else "raised"
+            return WorkerError(role=ident.role, rank=rank, method=method, reason=reason,
                                detail=type(exc.cause).__name__,
                                remote_traceback=_ANSI.sub("", str(exc)))
         except ray.exceptions.RayActorError as exc:
@@ -281,7 +300,6 @@ class RayBackend:
             raise RuntimeError("Ray is not running: call avrid.workers.start_ray() (or "
                                "ray.init()) before RayBackend().launch()")
         _check_fits(plan)
-        register_tensor_wire()  # shards go out as numpy buffers, not torch.save
         pgs: dict[str, PlacementGroup] = {}
         groups: dict[str, WorkerGroup] = {}
 

@@ -1,46 +1,46 @@
-"""Chapter 1 — how torch tensors cross between Ray processes: as numpy buffers.
+"""Chapter 1 — how torch tensors cross between Ray processes in avrid's calls: as raw bytes.
 
 Every shard the driver sends and every result a worker returns is full of tensors. Left to
 itself, pickling a tensor goes through torch's own reduction: ``torch.save`` of its storage,
 into a fresh in-band byte string, costing ~0.5 ms of Python per tensor whatever its size —
 on a small model that is most of a call's overhead. A numpy array instead pickles (protocol 5)
 as a small header plus its raw buffer *out of band*, which Ray copies straight into the object
-store. So `register_tensor_wire` tells Ray's serializer, in this process, to send a CPU tensor
-as (its numpy view, its dtype, requires_grad) and to rebuild it on the other side. A small
-tensor (up to `INBAND_BYTES`) goes as plain bytes inside the pickle instead: Ray's record
-for each out-of-band buffer costs more than copying a few kilobytes.
+store. So `reduce_tensor` sends a CPU tensor as (its numpy view, its dtype, requires_grad) and
+rebuilds it on the other side. A small tensor (up to `INBAND_BYTES`) goes as plain bytes inside
+the pickle instead: Ray's record for each out-of-band buffer costs more than copying a few
+kilobytes.
 
 Rules it keeps:
 - bit-for-bit: the bytes are the tensor's bytes; dtypes numpy lacks (bfloat16, float8) travel
   as the unsigned integer of their width and are viewed back;
-- only a view's own elements travel (torch's reduction sends the whole underlying storage);
+- only a view's own elements travel (torch's reduction sends the whole underlying storage), so
+  a transposed or channels-last tensor arrives contiguous, with the same values;
 - the receiver gets an ordinary writable tensor: Ray hands out read-only, shared buffers, so
   one copy is made on receipt (a memcpy, not a pickle);
 - anything else (a GPU, sparse, quantized or meta tensor, a tensor subclass such as
   `nn.Parameter`) keeps torch's own reduction, untouched.
 
-Ray's own switch for this (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``) is not used: it hands out
-read-only tensors over the object store's shared memory (a write corrupts them) and drops
-``requires_grad``. The registration is per process (Ray keeps it in cloudpickle's dispatch
-table): the driver registers at launch, each actor when it starts — or, if it had not
-imported torch yet, when the first tensor reaches it.
+It is a rule for avrid's own pickler only: `call_wire` puts `reduce_tensor` in the dispatch
+table of the pickler it packs each call with. Nothing is registered with Ray, whose serializer
+is process-wide and outlives a run (even ``ray.shutdown()``): tensors the user's own Ray tasks
+send, in the same process or in avrid's workers, keep plain Ray's behaviour, and a serializer
+the user registered for ``torch.Tensor`` (or Ray's ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``,
+which hands out read-only tensors and drops ``requires_grad``) stays theirs.
 
-Not here: what is sent (chapter 2's shards, chapter 3's results) or Ray's object store itself.
+Not here: what is sent (chapter 2's shards, chapter 3's results), how a call is packed
+(`call_wire`) or Ray's object store itself.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
-import ray
 
 _UINT_OF_SIZE = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 INBAND_BYTES = 64 * 1024
 """Tensors up to this size travel as bytes inside the pickle; larger ones as a numpy buffer
 out of band (Ray copies it into the object store without pickling it)."""
-_registered = False  # in this process (cloudpickle's dispatch table is process-wide)
 
 
 def _to_wire(t: Any) -> tuple[Any, ...]:
@@ -67,9 +67,6 @@ def _from_wire(wire: tuple[Any, ...]) -> Any:
     """The tensor `_to_wire` described, writable and owning its memory."""
     import torch
 
-    if not _registered:  # a process that imported torch late: its replies go by wire too
-        register_tensor_wire()
-
     if wire[0] == "torch":
         return _torch_load(wire[1])
     if wire[0] == "bytes":
@@ -87,8 +84,8 @@ def _from_wire(wire: tuple[Any, ...]) -> Any:
 
 
 def reduce_tensor(t: Any) -> tuple[Any, ...]:
-    """The pickle reduction of a tensor by these rules, for a pickler of one's own
-    (`call_wire` packs a call's arguments with the standard library's)."""
+    """The pickle reduction of a tensor by these rules, for a pickler of one's own: put it in
+    that pickler's ``dispatch_table`` (as `call_wire` does), never in Ray's serializer."""
     return _from_wire, (_to_wire(t),)
 
 
@@ -109,16 +106,3 @@ def _torch_load(data: bytes) -> Any:
 
     return torch.load(io.BytesIO(data), weights_only=True)
 
-
-def register_tensor_wire() -> bool:
-    """Send plain CPU tensors as numpy buffers from this process (the driver, or an actor
-    just started); returns whether it did. Only where torch is already imported: a process
-    that never imported it has no tensors to send, and importing torch costs seconds."""
-    global _registered
-    if "torch" not in sys.modules or not ray.is_initialized():
-        return False
-    import torch
-
-    ray.util.register_serializer(torch.Tensor, serializer=_to_wire, deserializer=_from_wire)
-    _registered = True
-    return True

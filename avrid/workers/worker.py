@@ -97,8 +97,26 @@ class Worker:
         # in-process backend and the pure parts of avrid.workers never need Ray).
         from avrid.workers.call_wire import pack_result, unpack
 
-        args, kwargs = unpack(blob, buffers)
+        args, kwargs = unpack(blob, buffers, failure=self._not_run(method))
         return pack_result(getattr(self, method)(*args, **kwargs))
+
+    def _plain_call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """How the Ray backend calls a method whose arguments Ray pickled itself (a Ray
+        handle among them, or code only cloudpickle can send; none at all): Ray resolved
+        the ObjectRefs among them, values the driver stored packed (`call_wire.Stored`) are
+        unpacked here, and the result goes back packed like `_wire_call`'s."""
+        # `method` is positional-only: a keyword argument of the same name goes to the method.
+        from avrid.workers.call_wire import pack_result, unstore
+
+        failure = self._not_run(method)
+        args = tuple(unstore(a, failure=failure) for a in args)
+        kwargs = {k: unstore(v, failure=failure) for k, v in kwargs.items()}
+        return pack_result(getattr(self, method)(*args, **kwargs))
+
+    def _not_run(self, method: str) -> str:
+        """What a call's arguments that cannot be unpickled here mean (`call_wire.unpack`)."""
+        return (f"{type(self).__name__}.{method} did not run: its arguments could not be "
+                f"unpickled in this worker")
 
     def destroy_distributed(self) -> None:
         """Leave the process group (all ranks at once); a no-op if never joined."""
