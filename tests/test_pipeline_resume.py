@@ -5,7 +5,8 @@ metrics.jsonl, samples.jsonl and final weights as the same run uninterrupted: on
 it runs (in process and on Ray), async K = 2 with generation that has always finished when
 the driver looks (its versions otherwise depend on timing, so not even two uninterrupted runs
 would agree). An older checkpoint without pipeline state still resumes, with an empty queue,
-and says so; a resume under another pipeline mode or bound is refused.
+and says so, as does a run resumed for more steps than it was set for (it generated nothing
+past its end); a resume under another pipeline mode or bound is refused.
 
 Keys left out of the comparison, all of them clocks or read off them: ``time/`` (wall
 times), ``perf/`` (tokens per second of ``time/step``), ``pipeline/overlap`` (the share of
@@ -172,6 +173,18 @@ def test_a_checkpoint_without_pipeline_state_resumes_with_an_empty_queue(
     assert any("no pipeline state" in line and "queue starts empty" in line for line in log), log
     rows = lines(tmp_path, "metrics.jsonl")
     # As before: the first batch after the resume is generated with the resumed weights.
+    assert [r["pipeline/staleness_max"] for r in rows[1:]] == [0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_a_run_resumed_past_its_end_says_it_is_exact_only_up_to_it(tmp_path: Path) -> None:
+    # A run set for 2 steps generates nothing for step 2; resumed for 5, its step-2 batch is
+    # made with the checkpoint's weights (staleness 0), not the version before (1).
+    sets = ("pipeline.mode=one_step_off",)
+    train(with_overrides(config(tmp_path, *sets), ["train.steps=2"]), make_trainer=Killable)
+    log: list[str] = []
+    train(config(tmp_path, *sets, resume=True), log=log.append, make_trainer=Killable)
+    assert any("its run was set for 2 steps" in line for line in log), log
+    rows = lines(tmp_path, "metrics.jsonl")
     assert [r["pipeline/staleness_max"] for r in rows[1:]] == [0.0, 1.0, 0.0, 1.0, 1.0]
 
 
