@@ -6,10 +6,13 @@ stops and weight loads behave, and the tiny models are built reproducibly.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from avrid.ppo.algo.logprobs import logprobs_from_logits
 from avrid.ppo.data.columns import model_inputs
@@ -21,7 +24,13 @@ from avrid.ppo.engines.models import (
     load_policy,
     pad_left,
 )
-from avrid.ppo.engines.torch_engine import Completion, RolloutEngine, SamplingParams, TorchEngine
+from avrid.ppo.engines.torch_engine import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    TorchEngine,
+    cache_argument,
+)
 from avrid.ppo.roles.forward import forward, response_logprobs, response_values
 from tests.helpers import trainer_batch, trainer_logprobs
 
@@ -183,6 +192,50 @@ def test_sleep_and_wake_are_no_ops_on_cpu(engine: TorchEngine) -> None:
 def test_torch_engine_is_a_rollout_engine(engine: TorchEngine) -> None:
     assert isinstance(engine, RolloutEngine)
     assert not isinstance(object(), RolloutEngine)
+
+
+class RecordWarnings(logging.Handler):
+    """Keeps every record at WARNING or above that reaches the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_generate_uses_the_cache_api_of_the_installed_transformers(policy: torch.nn.Module,
+                                                                  engine: TorchEngine) -> None:
+    """transformers 5.24 deprecates the KV cache's old name both ways: a FutureWarning for
+    every forward that receives ``past_key_values=``, and a logged warning when an output's
+    ``.past_key_values`` is read. Neither may happen (the check bites on transformers >= 5.24;
+    on older releases the old name is the only one, and the same code must use it)."""
+    logged = RecordWarnings()
+    library_logger = logging.getLogger("transformers")  # its records reach here, propagated
+    library_logger.addHandler(logged)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            warnings.simplefilter("error", DeprecationWarning)
+            done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=3))
+    finally:
+        library_logger.removeHandler(logged)
+    assert [r.getMessage() for r in logged.records] == [], transformers.__version__
+    assert max_gap(policy, PROMPTS, done, 1.0) < 1e-5  # and the cache was really used
+
+
+def test_the_cache_argument_is_the_name_the_forward_takes() -> None:
+    class OldLM(torch.nn.Module):  # transformers < 5.24
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            raise NotImplementedError
+
+    class NewLM(torch.nn.Module):  # transformers >= 5.24
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            raise NotImplementedError
+
+    assert cache_argument(OldLM()) == "past_key_values"
+    assert cache_argument(NewLM()) == "cache"
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

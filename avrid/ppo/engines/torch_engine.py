@@ -8,6 +8,9 @@ both share a GPU.
 - `TorchEngine`: the transformers model itself with a hand-written sampling loop (prompt
   pass, then one token at a time through the KV cache). Slow, but every step is visible, and
   it runs on CPU: it is the engine of the tests and the reference for `vllm_engine.VllmEngine`.
+  The KV cache comes out of each forward call and goes into the next under the name the
+  installed transformers gives it: `cache` from 5.24, `past_key_values` before (5.24 still
+  takes the old name, with a deprecation warning on every call, until 5.40).
 
 An engine's log-probs must equal, for the same weights, what the actor recomputes in
 training: one right-padded full-sequence pass, no cache (`columns.model_inputs`, then
@@ -19,6 +22,7 @@ Not here: tokenization, rewards, the vLLM engine (`vllm_engine`), batching acros
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
@@ -133,6 +137,7 @@ class TorchEngine:
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
         self._sink = TorchEngineSink(self.model)
+        self._cache_arg = cache_argument(self.model)
         self._awake_device: torch.device | None = None  # where to wake to, while asleep
 
     @property
@@ -163,10 +168,11 @@ class TorchEngine:
         logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
         length = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
-        # The prompt pass fills the cache; only the last column's logits are needed.
+        # The prompt pass fills the cache; only the last column's logits are needed. The
+        # cache comes out (and goes back in) under `cache_argument`'s name.
         res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          use_cache=True, logits_to_keep=1)
-        cache, logits = res.past_key_values, res.logits[:, -1]
+        cache, logits = {self._cache_arg: getattr(res, self._cache_arg)}, res.logits[:, -1]
         next_pos = pos[:, -1:] + 1
         for step in range(params.max_new_tokens):
             tok = self._sample(logits, params, gen)
@@ -182,8 +188,8 @@ class TorchEngine:
             # Finished rows keep decoding (a batch moves together); their tokens are dropped.
             mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
             res = self.model(input_ids=tok[:, None], attention_mask=mask,
-                             position_ids=next_pos, past_key_values=cache, use_cache=True)
-            cache, logits = res.past_key_values, res.logits[:, -1]
+                             position_ids=next_pos, use_cache=True, **cache)
+            cache, logits = {self._cache_arg: getattr(res, self._cache_arg)}, res.logits[:, -1]
             next_pos = next_pos + 1
         tokens_l, logps_l, length_l, stopped_l = (
             tokens.tolist(), logps.tolist(), length.tolist(), stopped.tolist())
@@ -232,6 +238,24 @@ class TorchEngine:
             return
         self.model.to(self._awake_device)
         self._awake_device = None
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name `model`'s forward takes its KV cache by, and returns it under: ``"cache"``
+    where the signature has it (transformers >= 5.24, which deprecates the old name both
+    ways), else ``"past_key_values"``.
+
+    Read from the model's own signature rather than from a version number: the engine takes
+    any causal LM, and the name is its forward's.
+
+    Example:
+        >>> from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
+        >>> cache_argument(build_tiny_policy(TinyModelSpec(vocab_size=16), seed=0)) in (
+        ...     "cache", "past_key_values")
+        True
+    """
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
