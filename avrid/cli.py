@@ -131,9 +131,11 @@ def main(argv: list[str] | None = None) -> None:
                         "root or a step directory")
     export.add_argument("dest", help="the directory to write (must not exist, or be empty)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty DEST")
-    for command in (ppo, export):  # errors are one line; --debug shows the traceback
-        command.add_argument("--debug", action="store_true",
-                             help="on an error, show the full traceback (or AVRID_DEBUG=1)")
+    # Errors are one line; --debug shows the traceback (and, for ppo, vLLM's own log lines).
+    ppo.add_argument("--debug", action="store_true", help="show vLLM's own log lines, and on "
+                     "an error the full traceback (or AVRID_DEBUG=1)")
+    export.add_argument("--debug", action="store_true",
+                        help="on an error, show the full traceback (or AVRID_DEBUG=1)")
     args = parser.parse_args(argv)
 
     if args.command == "ppo":
@@ -209,6 +211,8 @@ def _ppo(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.getcwd())
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    if args.debug:  # the workers read it too (vllm_logs.py): vLLM's own lines then show
+        os.environ["AVRID_DEBUG"] = "1"
     try:  # a --set comes after the flags' assignments, so it wins over them
         config = with_overrides(_first_config(args), sets + args.overrides)
     except (ValueError, TypeError, OSError) as e:  # OSError: a --config file not readable

@@ -7,6 +7,8 @@ Read in this order:
 2. torch_engine.py  the `RolloutEngine` protocol and `TorchEngine`, a hand-written KV-cache
                     sampler whose log-probs match the trainer's forward pass
 3. vllm_engine.py   `VllmEngine`: the same protocol over a real ``vllm.LLM`` (CPU or GPU)
+4. vllm_logs.py     the scope the vLLM engine works in: vLLM's own log lines and warnings
+                    kept off the screen unless asked for, and put back afterwards
 
 No Ray here; the policy worker (`roles/policy.py`) owns an engine per rank.
 """

@@ -25,6 +25,11 @@ process with a trainer: the engine core runs in this process (``VLLM_ENABLE_V1_M
 `collective_rpc`), and on CPU vLLM does not pin OpenMP threads to cores
 (``VLLM_CPU_OMP_THREADS_BIND=nobind``), which would fight the trainer's threads.
 
+vLLM's own log lines and warnings stay off the screen: everything the engine does (building,
+generating, loading weights, also through `sink`) runs inside `vllm_logs.quiet_vllm`, which
+keeps vLLM at ERROR unless the user asked to see more (``avrid ppo --debug``, or their own
+``VLLM_LOGGING_LEVEL``).
+
 Not here: tokenization (``skip_tokenizer_init=True``; prompts are token ids), async or
 server engines. vllm is imported only inside `VllmEngine`, so this module imports anywhere.
 """
@@ -33,12 +38,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from avrid.ppo.engines.torch_engine import Completion, SamplingParams
+from avrid.ppo.engines.vllm_logs import quiet_vllm
 from avrid.reshard.engines import VLLM_EXTENSION, VllmSink
 from avrid.reshard.layout import ModelLayout
 
@@ -100,38 +106,41 @@ class VllmEngine:
                                "first (vLLM's parallel state is process-global)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        # vLLM logs every engine's full config at INFO; inside each PPO worker that drowns
-        # the run's own output. Warnings and errors still show (VLLM_LOGGING_LEVEL overrides).
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-        from vllm.platforms import current_platform
+        # vLLM's own lines (its config at INFO, CPU-build warnings, a harmless tokenizer
+        # traceback) would drown the run's output: see vllm_logs.py.
+        with quiet_vllm():
+            from vllm import LLM
+            from vllm.platforms import current_platform
 
-        self.on_cpu = bool(current_platform.is_cpu())
-        can_sleep = bool(current_platform.is_sleep_mode_available())
-        if enable_sleep_mode and not can_sleep:
-            raise ValueError(f"enable_sleep_mode=True, but vLLM has no sleep mode on "
-                             f"{current_platform.device_type!r}; pass None or False")
-        self.enable_sleep_mode = can_sleep if enable_sleep_mode is None else enable_sleep_mode
-        if kv_cache_bytes is None and self.on_cpu:
-            kv_cache_bytes = CPU_KV_CACHE_BYTES
-        if kv_cache_bytes is not None:
-            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        else:
-            llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.tensor_parallel_size = tensor_parallel_size
-        self.llm = LLM(
-            model=model_path, max_model_len=max_model_len, seed=seed,
-            enable_sleep_mode=self.enable_sleep_mode, load_format=load_format,
-            tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-            # CPU: compiling the graph costs more than a small run saves; GPU: CUDA graphs.
-            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-            worker_extension_cls=VLLM_EXTENSION,  # chapter 4's load/checksum RPCs
-            logprobs_mode="processed_logprobs",  # after temperature: see the module docstring
-            skip_tokenizer_init=llm_kwargs.pop("skip_tokenizer_init", True),
-            **llm_kwargs)
+            self.on_cpu = bool(current_platform.is_cpu())
+            can_sleep = bool(current_platform.is_sleep_mode_available())
+            if enable_sleep_mode and not can_sleep:
+                raise ValueError(f"enable_sleep_mode=True, but vLLM has no sleep mode on "
+                                 f"{current_platform.device_type!r}; pass None or False")
+            self.enable_sleep_mode = (can_sleep if enable_sleep_mode is None
+                                      else enable_sleep_mode)
+            if kv_cache_bytes is None and self.on_cpu:
+                kv_cache_bytes = CPU_KV_CACHE_BYTES
+            if kv_cache_bytes is not None:
+                llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+            else:
+                llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            self.tensor_parallel_size = tensor_parallel_size
+            self.llm = LLM(
+                model=model_path, max_model_len=max_model_len, seed=seed,
+                enable_sleep_mode=self.enable_sleep_mode, load_format=load_format,
+                tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                # CPU: compiling the graph costs more than a small run saves; GPU: CUDA
+                # graphs.
+                enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+                worker_extension_cls=VLLM_EXTENSION,  # chapter 4's load/checksum RPCs
+                # after temperature: see the module docstring
+                logprobs_mode="processed_logprobs",
+                skip_tokenizer_init=llm_kwargs.pop("skip_tokenizer_init", True),
+                **llm_kwargs)
         VllmEngine._live = True
         # The sink also exposes `checksums(layout)` for the driver's stale-weight check.
-        self.sink = VllmSink(self.llm)
+        self.sink = QuietVllmSink(self.llm)
         self._asleep: set[str] = set()
 
     def _vllm_params(self, params: SamplingParams, index: int) -> Any:
@@ -158,8 +167,9 @@ class VllmEngine:
         if not prompts:
             return []
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        with quiet_vllm():
+            sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         return [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -180,7 +190,8 @@ class VllmEngine:
         with it). A no-op without sleep mode (CPU: nothing to hand over)."""
         if not self.enable_sleep_mode or self._asleep:
             return
-        self.llm.sleep(level=1)
+        with quiet_vllm():
+            self.llm.sleep(level=1)
         self._asleep = set(_SLEEP_TAGS)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
@@ -192,7 +203,8 @@ class VllmEngine:
             raise ValueError(f"unknown wake tags {sorted(unknown)}; known: {_SLEEP_TAGS}")
         for tag in wanted:  # one at a time, in this order: weights before the KV cache
             if tag in self._asleep:
-                self.llm.wake_up(tags=[tag])
+                with quiet_vllm():
+                    self.llm.wake_up(tags=[tag])
                 self._asleep.discard(tag)
 
     def close(self) -> None:
@@ -203,12 +215,33 @@ class VllmEngine:
             return
         try:
             shutdown = getattr(llm, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-            else:  # vLLM versions without LLM.shutdown()
-                llm.llm_engine.engine_core.shutdown()
+            with quiet_vllm():
+                if callable(shutdown):
+                    shutdown()
+                else:  # vLLM versions without LLM.shutdown()
+                    llm.llm_engine.engine_core.shutdown()
         finally:
             VllmEngine._live = False
+
+
+class QuietVllmSink(VllmSink):
+    """Chapter 4's `VllmSink` with every call inside `quiet_vllm`, like the engine's own
+    methods: the weight sync calls the sink directly (`VllmEngine.sink`), not through the
+    engine, and vLLM logs while it loads (e.g. "RotaryEmbedding: Failed to load weights",
+    harmless: the rotary table is computed when the engine is built and is kept)."""
+
+    def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
+             rank: int | None = None) -> None:
+        with quiet_vllm():
+            super().load(tensors, layout=layout, rank=rank)
+
+    def finish(self) -> None:
+        with quiet_vllm():
+            super().finish()
+
+    def checksums(self, layout: ModelLayout | None, rank: int | None = None) -> dict[str, int]:
+        with quiet_vllm():
+            return super().checksums(layout, rank)
 
 
 def _completion(out: Any, stop_token_ids: Sequence[int] = ()) -> Completion:
