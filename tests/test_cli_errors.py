@@ -18,6 +18,8 @@ import pytest
 from avrid.cli import main
 from avrid.ppo.outputs.outdir import OutDirLock
 
+pytestmark = pytest.mark.chapter(5)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -113,10 +115,14 @@ def test_an_impossible_placement_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_failing_user_reward_is_one_line_naming_the_sample(tmp_path: Path) -> None:
-    done = _command("ppo", "--backend", "inprocess", "--out", str(tmp_path),
-                    "--task", "tests.test_ppo_trainer:make_nan_task", "--set",
-                    "train.progress=false", "--set", "train.val_prompts=2")
-    assert done.returncode == 2, done.stderr
-    [line] = [ln for ln in done.stderr.splitlines() if ln.strip()]
-    assert line.startswith("avrid ppo: reward[0].score() raised: ValueError: sample ")
-    assert "returned reward nan for prompt 4" in line
+    # Several times: the in-process driver once aborted at exit now and then (exit -6,
+    # "terminate called without an active exception"; test_inprocess_exit.py has the cause).
+    # Issue 25 asked for 50 of 50 by hand; three here keep the suite short.
+    for attempt in range(3):
+        done = _command("ppo", "--backend", "inprocess", "--out", str(tmp_path / str(attempt)),
+                        "--task", "tests.test_ppo_trainer:make_nan_task", "--set",
+                        "train.progress=false", "--set", "train.val_prompts=2")
+        assert done.returncode == 2, (attempt, done.returncode, done.stderr)
+        [line] = [ln for ln in done.stderr.splitlines() if ln.strip()]
+        assert line.startswith("avrid ppo: reward[0].score() raised: ValueError: sample ")
+        assert "returned reward nan for prompt 4" in line

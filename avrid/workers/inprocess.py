@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from avrid.workers.cluster import Cluster, make_identity
@@ -102,8 +103,20 @@ class _RankThread:
         self._calls.put(None)
 
     def join(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for the current call to end (see `_ThreadChannel.close`)."""
+        """Wait up to `timeout_s` for the thread to end, its native part included (see
+        `_ThreadChannel.close`)."""
+        deadline = time.monotonic() + timeout_s
         self._thread.join(timeout_s)
+        # `Thread.join` returns once the thread's Python part is done, but the OS thread then
+        # still destroys its native thread-locals, torch's among them; one that holds a Python
+        # object needs the GIL, and if the interpreter is exiting by then the thread is stopped
+        # inside that C++ destructor and the process aborts ("terminate called without an
+        # active exception"). So wait for the OS thread itself: Linux lists a process's live
+        # threads in /proc/self/task (elsewhere this part is skipped).
+        task = Path(f"/proc/self/task/{self._thread.native_id}")
+        while (not self._thread.is_alive() and task.exists()
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
 
 
 class _ThreadChannel:
@@ -150,9 +163,10 @@ class _ThreadChannel:
 
     def close(self) -> None:
         # Threads cannot be killed; a rank stuck in a collective ends at its gloo timeout, and
-        # one stuck forever is a daemon that does not hold the driver at exit. But a rank still
-        # busy in torch when the interpreter exits aborts the process ("terminate called
-        # without an active exception"), so give running calls a bounded time to end first.
+        # one stuck forever is a daemon that does not hold the driver at exit. But a rank
+        # thread still busy in torch, or still tearing down torch's thread-locals, when the
+        # interpreter exits aborts the process ("terminate called without an active
+        # exception"), so give each a bounded time to end completely first (`join`).
         for thread in self._threads:
             thread.stop()
         deadline = time.monotonic() + _CLOSE_GRACE_S
