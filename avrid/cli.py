@@ -5,6 +5,7 @@
     avrid ppo --print-config  the config as YAML (`--print-config json`: as JSON), and
     avrid ppo --config FILE   a run of the config in that file (.yaml, .yml or .json)
     avrid ppo --help-config   every config field: its type, default and what it does
+    (Ctrl-C, or a scheduler's SIGTERM, stops a run: exit 130 or 143 and how to resume it)
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
                             for its latest checkpoint, a checkpoints/ root or a step directory)
     avrid chapters          list the chapters and how to run each demo
@@ -30,6 +31,7 @@ import argparse
 import importlib.util
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -107,7 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("chapter", help="e.g. ch01, ch01_workers, or all")
     ppo = sub.add_parser("ppo", help="train with PPO or GRPO (default: tiny PPO on CPU)",
                          epilog=PPO_SOURCES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ppo.add_argument("--preset", help="tiny-ppo (default), tiny-grpo, small-cpu, qwen-gsm8k")
+    # Only `avrid ppo` lists the presets: reading them imports torch (~2 s; the run needs it
+    # anyway), which `avrid chapters` or `avrid --version` should not wait for.
+    words = sys.argv[1:] if argv is None else argv
+    ppo.add_argument("--preset", help=_preset_help() if words[:1] == ["ppo"] else "a preset")
     ppo.add_argument("--config", metavar="FILE", help="a whole config from a .yaml/.yml/.json "
                      "file (as --print-config writes it); instead of --preset")
     ppo.add_argument("--algo", choices=("ppo", "grpo"), help="override algo.name")
@@ -183,6 +188,7 @@ def _ppo(args: argparse.Namespace) -> None:
     """Build the config from preset or file, flags, then --set (validated once); train."""
     _need_ppo_extra("avrid ppo")
     from avrid.pipeline import train
+    from avrid.ppo.driver.stopping import StopSignals
     from avrid.ppo.setup.config_file import dump_config
     from avrid.ppo.setup.field_help import help_config
     from avrid.ppo.setup.overrides import with_overrides
@@ -211,8 +217,6 @@ def _ppo(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.getcwd())
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-    if args.debug:  # the workers read it too (vllm_logs.py): vLLM's own lines then show
-        os.environ["AVRID_DEBUG"] = "1"
     try:  # a --set comes after the flags' assignments, so it wins over them
         config = with_overrides(_first_config(args), sets + args.overrides)
     except (ValueError, TypeError, OSError) as e:  # OSError: a --config file not readable
@@ -220,19 +224,47 @@ def _ppo(args: argparse.Namespace) -> None:
     if args.print_config is not None:
         print(dump_config(config, args.print_config), end="")
         return
+    ray_was_running, debug_was = _ray_running(), os.environ.get("AVRID_DEBUG")
+    if args.debug:  # the workers read it too (vllm_logs.py): vLLM's own lines then show
+        os.environ["AVRID_DEBUG"] = "1"
+    # Ctrl-C and a scheduler's SIGTERM stop the run alike (stopping.py); a later one waits for
+    # the cleanup, which includes shutting down the Ray this command started.
+    with StopSignals() as stop:
+        try:
+            summary = train(config, log=print)
+        except USER_ERRORS as e:
+            _fail("avrid ppo", e, debug=args.debug)
+        except KeyboardInterrupt:
+            # The trainer has already stopped its workers; the checkpoints on disk are whole.
+            signum = stop.signum or signal.SIGINT
+            by = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+            print(f"\navrid ppo: interrupted{by}; {_after_interrupt(config.train.out_dir)}",
+                  file=sys.stderr)
+            sys.exit(128 + signum)  # 130 after Ctrl-C, 143 after SIGTERM
+        else:
+            if not summary.already_complete:  # if it is, `train` said so in one line
+                print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; "
+                      f"validation reward {summary.initial_val_reward:.3f} -> "
+                      f"{summary.final_val_reward:.3f}; outputs in {summary.out_dir}/ (the "
+                      f"policy in Hugging Face format: {summary.out_dir}/export/)", flush=True)
+        finally:
+            stop.ignore()
+            if not ray_was_running:  # now, not at exit: no signal may cut Ray's shutdown short
+                _stop_ray()
+            if debug_was is None:  # as it was: `main()` called from Python (tests) leaks nothing
+                os.environ.pop("AVRID_DEBUG", None)
+            else:
+                os.environ["AVRID_DEBUG"] = debug_was
+
+
+def _preset_help() -> str:
+    """--preset's help: every name in `PRESETS`, the default first."""
     try:
-        summary = train(config, log=print)
-    except USER_ERRORS as e:
-        _fail("avrid ppo", e, debug=args.debug)
-    except KeyboardInterrupt:
-        # The trainer has already stopped its workers; the checkpoints on disk are whole.
-        print(f"\navrid ppo: interrupted; {_after_interrupt(config.train.out_dir)}",
-              file=sys.stderr)
-        sys.exit(130)
-    print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; validation "
-          f"reward {summary.initial_val_reward:.3f} -> {summary.final_val_reward:.3f}; "
-          f"outputs in {summary.out_dir}/ (the policy in Hugging Face format: "
-          f"{summary.out_dir}/export/)")
+        from avrid.ppo.setup.presets import PRESETS
+    except ImportError:  # the core install: `avrid ppo` will name the extra it needs
+        return "a preset of `pip install 'avrid[ppo]'`"
+    names = [name if name != "tiny-ppo" else "tiny-ppo (default)" for name in PRESETS]
+    return "one of " + ", ".join(names)
 
 
 def _first_config(args: argparse.Namespace) -> PPOConfig:
@@ -250,6 +282,19 @@ def _first_config(args: argparse.Namespace) -> PPOConfig:
     if args.algo == "grpo" and name == "tiny-ppo":
         name = "tiny-grpo"  # the default run's GRPO twin (bigger groups, its own out_dir)
     return preset(name)
+
+
+def _ray_running() -> bool:
+    """Whether this process is connected to Ray (imported only if something imported it)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def _stop_ray() -> None:
+    """Shut down the Ray this command started (Ray would do it at exit, where a second Ctrl-C
+    interrupts it: a traceback, and its agents left running for minutes)."""
+    if _ray_running():
+        sys.modules["ray"].shutdown()
 
 
 def _after_interrupt(out_dir: str) -> str:

@@ -7,4 +7,5 @@ Read in this order:
                  validation, `state` for checkpoints
 3. run.py        `train`: the whole run around the trainer — resume, validation cadence,
                  metrics, samples, checkpoints, plots, export (what `avrid ppo` calls)
+4. stopping.py   Ctrl-C and a scheduler's SIGTERM stop a run alike (what `avrid ppo` sets)
 """

@@ -41,8 +41,10 @@ one, and the driver's global RNGs (torch, Python's `random`, numpy) are restored
 plug-in task that draws from them. A pipelined run's checkpoint (chapter 6) also holds what
 its pipeline held between the two steps (`Trainer.pipeline_state`: batches generated ahead,
 weight versions), so it resumes exactly too. With no checkpoint to resume from it refuses,
-truncating nothing. A damaged latest checkpoint is refused naming the newest intact one;
-``train.resume_from=<step directory>`` resumes from that one (or any other) instead.
+truncating nothing; a run whose checkpoint has reached ``train.steps`` is complete: it says
+so in one line and starts nothing (it writes ``export/`` only if that is missing). A damaged
+latest checkpoint is refused naming the newest intact one; ``train.resume_from=<step
+directory>`` resumes from that one (or any other) instead.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class RunSummary:
     final_val_reward: float
     seconds: float
     """Wall time of this invocation (a resumed run counts only its own part)."""
+    already_complete: bool = False
+    """True: a resume found the run at train.steps already, so nothing was started."""
 
 
 def train(config: PPOConfig, *, log: Callable[[str], None] | None = None,
@@ -135,7 +139,27 @@ def train(config: PPOConfig, *, log: Callable[[str], None] | None = None,
         ck = _resume_point(config, out, ckpt_root)
         for directory in (ckpt_root, out):  # any temporary dir here is a dead save's
             remove_stale_temp_dirs(directory)
+        if ck is not None and ck.step >= t.steps:  # nothing to train: start nothing
+            return _already_complete(config, ck, started, log)
         return _train(config, out, ckpt_root, ck, started, log, make_trainer)
+
+
+def _already_complete(config: PPOConfig, ck: Checkpoint, started: float,
+                      log: Callable[[str], None] | None) -> RunSummary:
+    """A resume of a run whose checkpoint has reached train.steps: say so in one line, and
+    write its export only if it is missing (a run stopped after its last checkpoint)."""
+    out = Path(config.train.out_dir)
+    if not (out / "export").is_dir():
+        export_checkpoint(ck.path, out / "export", overwrite=True)
+    if log:
+        log(f"{out} is already complete: its checkpoint {ck.path.name} has reached "
+            f"train.steps={config.train.steps}, so there is nothing to train (outputs in "
+            f"{out}/; raise --steps to train further)")
+    rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+    vals = [r["val/reward"] for r in rows if r.get("val/reward") is not None]
+    return RunSummary(out_dir=out, rows=rows, initial_val_reward=vals[0] if vals else float("nan"),
+                      final_val_reward=vals[-1] if vals else float("nan"),
+                      seconds=time.time() - started, already_complete=True)
 
 
 def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,

@@ -50,6 +50,7 @@ from avrid.ppo.data.prompts import (
     step_indices,
 )
 from avrid.ppo.driver.placement import build_placement
+from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
 from avrid.ppo.roles.reward import SCORE_READS, RewardWorker
@@ -129,7 +130,8 @@ class Trainer:
             # pipeline-cpu: 0.30 -> 0.12 cores of driver CPU). Restored by close().
             self._driver_threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            start_ray(self.config.placement.ray_address)  # None: RAY_ADDRESS or a local Ray
+            with keep_own_sigterm():  # Ray's start replaces a SIGTERM handler (stopping.py)
+                start_ray(self.config.placement.ray_address)  # None: RAY_ADDRESS or local Ray
             backend = RayBackend(start_timeout_s=t.setup_timeout_s,
                                  call_timeout_s=t.call_timeout_s)
         else:
