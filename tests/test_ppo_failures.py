@@ -34,6 +34,8 @@ from avrid.results import ResultBuilder, run_shards
 from avrid.workers import WorkerError, WorkerIdentity
 from tests.test_ppo_trainer import EchoFirstTask
 
+pytestmark = pytest.mark.chapter(5)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
