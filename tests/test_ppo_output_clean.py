@@ -32,6 +32,8 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.task import Prompt
 from tests.test_ppo_trainer import tiny as trainer_tiny
 
+pytestmark = pytest.mark.chapter(5)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

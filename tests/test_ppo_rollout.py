@@ -34,6 +34,8 @@ from avrid.ppo.engines.torch_engine import (
 from avrid.ppo.roles.forward import forward, response_logprobs, response_values
 from tests.helpers import trainer_batch, trainer_logprobs
 
+pytestmark = pytest.mark.chapter(5)
+
 SPEC = TinyModelSpec(vocab_size=16, num_kv_heads=2)  # grouped-query attention on purpose
 PAD, STOP = 0, 15
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11], [12, 13, 14, 1, 2]]  # unequal: left pads

@@ -25,7 +25,7 @@ from tests.helpers import trainer_logprobs
 if TYPE_CHECKING:  # vllm is imported inside the engine only
     from avrid.ppo.engines.vllm_engine import VllmEngine
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.chapter(5), pytest.mark.vllm]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 SPEC = TinyModelSpec(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,

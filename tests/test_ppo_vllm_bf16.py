@@ -16,7 +16,7 @@ from avrid.ppo.engines.torch_engine import SamplingParams
 from tests.helpers import trainer_logprobs
 from tests.test_ppo_vllm import DEVICE, PAD, PROMPTS, save_policy
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.chapter(5), pytest.mark.vllm]
 
 
 def test_bfloat16_logprobs_match_the_trainer(tmp_path: Path) -> None:

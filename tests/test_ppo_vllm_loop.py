@@ -21,7 +21,7 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from tests.test_ppo_trainer import algorithmic
 
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]
+pytestmark = [pytest.mark.chapter(5), pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]
 
 
 def tiny_vllm(out: Path, *extra: str) -> PPOConfig:
