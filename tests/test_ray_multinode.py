@@ -16,13 +16,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from avrid.workers import WorkerIdentity, start_ray
+from avrid.workers import start_ray
 
 pytestmark = pytest.mark.chapter(1)
 
@@ -162,13 +163,16 @@ def test_avrid_ppo_runs_on_a_two_node_cluster_with_the_policy_spread_over_both(
     from avrid.ppo.driver.trainer import Trainer
 
     # Record where the workers landed: their identities, as the backend completed them.
-    placed: dict[str, tuple[WorkerIdentity, ...]] = {}
+    placed: dict[str, Any] = {}
     start = Trainer.start
 
     def start_and_record(self: Trainer, *args: object, **kwargs: object) -> None:
         start(self, *args, **kwargs)
         placed["policy"] = self.policy.identities
         placed["critic"] = self.critic.identities
+        # Read while the command is connected: it leaves the cluster when it ends.
+        placed["nodes"] = tuple(_alive_nodes())
+        placed["cpus"] = ray.cluster_resources()["CPU"]
 
     monkeypatch.setattr(Trainer, "start", start_and_record)
     # `avrid ppo` puts the working directory on sys.path and PYTHONPATH: undo that after.
@@ -181,9 +185,11 @@ def test_avrid_ppo_runs_on_a_two_node_cluster_with_the_policy_spread_over_both(
               "--set", "train.mini_batch_size=8", "--set", "train.val_prompts=8",
               "--set", "train.progress=false"])
 
-    # It ran on the cluster it was given (the driver joined it, not a local Ray).
-    nodes = set(_alive_nodes())
-    assert len(nodes) == 2 and ray.cluster_resources()["CPU"] == 2 * NODE_CPUS
+    # It ran on the cluster it was given (the driver joined it, not a local Ray), and left
+    # it when it ended: the command disconnects from the Ray it connected to.
+    nodes = set(placed["nodes"])
+    assert len(nodes) == 2 and placed["cpus"] == 2 * NODE_CPUS
+    assert not ray.is_initialized()
     # One policy rank per node (STRICT_SPREAD), each colocated critic rank beside it.
     policy, critic = placed["policy"], placed["critic"]
     assert {p.node_id for p in policy} == nodes
