@@ -71,10 +71,13 @@ lint: setup  ## style and the layer import contract
 	$(BIN)/lint-imports
 
 # `make test CH=2`: only chapter 2's tests (each test file names its chapter with
-# `pytestmark = pytest.mark.chapter(2)`; see tests/conftest.py), for a learner on that chapter.
+# `pytestmark = pytest.mark.chapter(2)`; see tests/conftest.py), for a learner on that chapter,
+# in under two minutes: without the `slow` ones (whole runs, demos, notebooks), which
+# `make test CH=2 SLOW=1` adds. `make test` alone runs everything, slow tests included.
 CH ?=
+SLOW ?=
 test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here); CH=N: chapter N only
-	$(BIN)/python -m pytest $(if $(CH),--chapter $(CH))
+	$(BIN)/python -m pytest $(if $(CH),--chapter $(CH) $(if $(SLOW),,-m "not slow"))
 
 test-vllm: vllm-setup  ## the vllm tier: every vllm-marked test on the real engine (CPU here)
 	$(VBIN)/python -m pytest -m vllm -p no:cacheprovider

@@ -106,6 +106,7 @@ def _command(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=150)
 
 
+@pytest.mark.slow
 def test_an_impossible_placement_is_one_line(tmp_path: Path) -> None:
     done = _command("ppo", "--out", str(tmp_path), "--set", "placement.actor_dp=64",
                     "--set", "train.progress=false")
@@ -114,6 +115,7 @@ def test_an_impossible_placement_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_a_failing_user_reward_is_one_line_naming_the_sample(tmp_path: Path) -> None:
     # Several times: the in-process driver once aborted at exit now and then (exit -6,
     # "terminate called without an active exception"; test_inprocess_exit.py has the cause).

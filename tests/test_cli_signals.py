@@ -93,6 +93,7 @@ def stop(proc: subprocess.Popen, *signals: int) -> tuple[int, str, list[str]]:
     return proc.returncode, err, left
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("backend", ["ray", "inprocess"])
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path: Path, backend: str) -> None:
@@ -108,6 +109,7 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path: Path, backend: str) -> None:
     assert not left, f"processes of the run still alive after it exited: {left}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -92,6 +92,7 @@ def test_k0_is_the_sync_run_bit_for_bit_in_process(extra: tuple[str, ...]) -> No
     assert [r["pipeline/staleness_max"] for r in k0_rows[1:-1]] == [0.0] * 4
 
 
+@pytest.mark.slow
 def test_k0_is_the_sync_run_bit_for_bit_on_ray_over_two_pools(ray_cluster: None) -> None:
     sync_rows, sync_w, _ = run_steps(config("train.critic_warmup_steps=1", inprocess=False))
     k0_rows, k0_w, tr = run_steps(config("train.critic_warmup_steps=1", "pipeline.mode=async",
@@ -253,6 +254,7 @@ class WithRaisingLearner(PipelinedTrainer):
     policy_worker = RaisingLearner
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("trainer_cls", "match"), [
     (WithRaisingRollout, r"(?s)rollout\[0\]\.generate\(\).*injected rollout failure"),
     (WithDyingRollout, r"rollout\[1\]\.generate\(\) died"),
@@ -266,6 +268,7 @@ def test_a_failing_rollout_worker_stops_the_run_naming_it(trainer_cls: type, mat
     assert time.monotonic() - start < 60  # bounded: start-up and two steps, then the error
 
 
+@pytest.mark.slow
 def test_a_failing_learner_stops_the_run_while_a_generation_is_in_flight(
         ray_cluster: None) -> None:
     cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=4)
@@ -275,6 +278,7 @@ def test_a_failing_learner_stops_the_run_while_a_generation_is_in_flight(
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_a_rollout_engine_that_loads_wrong_weights_is_named(ray_cluster: None) -> None:
     cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=3)
     with pytest.raises(StaleWeightsError, match=r"rollout engine of rollout rank \d"):

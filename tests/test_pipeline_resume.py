@@ -138,6 +138,7 @@ def test_a_resumed_async_k2_run_is_the_uninterrupted_run(tmp_path: Path) -> None
     assert rows[EVERY + 1]["pipeline/queue"] > 0  # the resumed step found batches queued
 
 
+@pytest.mark.slow
 def test_a_resumed_one_step_off_run_on_ray_is_the_uninterrupted_run(
         tmp_path: Path, ray_cluster: None) -> None:
     # Two trainer and two rollout ranks, and a critic warm-up step (versions lag steps).

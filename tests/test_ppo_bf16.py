@@ -49,6 +49,7 @@ def changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return diff / sum(t.numel() for t in a.values())
 
 
+@pytest.mark.slow
 def test_a_tiny_lr_step_moves_the_fp32_masters_and_the_bf16_engine(
         tmp_path: Path, ray_cluster: None) -> None:
     # lr 1e-6: in bf16 (8 mantissa bits) a weight of size ~0.02 has a spacing of ~1e-4, so an
@@ -82,6 +83,7 @@ def test_a_tiny_lr_step_moves_the_fp32_masters_and_the_bf16_engine(
     assert 0 < flipped < master
 
 
+@pytest.mark.slow
 def test_a_bf16_run_tracks_an_fp32_run(tmp_path: Path, ray_cluster: None) -> None:
     # Two mini-batches per step, so the actor loss is not just -mean(whitened advantages) ~ 0.
     # fp32 in-process: the same metrics as fp32 on Ray (test_ppo_trainer), in less time.
@@ -105,6 +107,7 @@ def test_a_bf16_run_tracks_an_fp32_run(tmp_path: Path, ray_cluster: None) -> Non
         assert b["rollout/logprob_gap"] < 1e-4
 
 
+@pytest.mark.slow
 def test_a_resumed_bf16_run_matches_an_uninterrupted_one(tmp_path: Path,
                                                         ray_cluster: None) -> None:
     # Exact only if the checkpoint holds the fp32 masters: bf16 weights would lose their low
@@ -148,6 +151,7 @@ class ShardWorker(Worker):
             self.destroy_distributed()
 
 
+@pytest.mark.slow
 def test_shard_model_mixed_precision_on_one_and_two_ranks(ray_cluster: None) -> None:
     plan = plan_placement(
         [ResourcePool.uniform("one", 1, cpus=1), ResourcePool.uniform("two", 2, cpus=1)],

@@ -50,6 +50,7 @@ def ray_tiny(out: Path, *extra: str) -> PPOConfig:
 
 # ---- a failing rank: one error, the real method, within seconds --------------------------------
 
+@pytest.mark.slow
 def test_a_killed_rank_is_reported_naming_its_method_and_cleanup_does_not_hide_it(
         tmp_path: Path, ray_cluster: None) -> None:
     with pytest.raises(WorkerError) as err:  # noqa: PT012 - the kill happens inside the run
@@ -71,6 +72,7 @@ def _break_optimizer(worker: CriticWorker) -> None:
     worker.optimizer = None  # update() fails before its first collective; rank 0 waits in it
 
 
+@pytest.mark.slow
 def test_a_rank_failing_while_its_peer_waits_in_a_collective_is_reported_at_once(
         tmp_path: Path, ray_cluster: None) -> None:
     with pytest.raises(WorkerError) as err:  # noqa: PT012
@@ -106,6 +108,7 @@ def make_hung_task() -> HungTask:
     return HungTask()
 
 
+@pytest.mark.slow
 def test_a_hung_reward_function_stops_the_run_with_a_timeout(tmp_path: Path) -> None:
     config = with_overrides(preset("tiny-ppo"), [
         "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
@@ -118,6 +121,7 @@ def test_a_hung_reward_function_stops_the_run_with_a_timeout(tmp_path: Path) -> 
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_the_command_reports_a_hung_reward_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     args = ["ppo", "--task", "tests.test_ppo_failures:make_hung_task", "--out", str(tmp_path),
@@ -130,6 +134,7 @@ def test_the_command_reports_a_hung_reward_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr  # (--debug: test_cli_errors.py)
 
 
+@pytest.mark.slow
 def test_one_ctrl_c_stops_an_in_process_run_stuck_in_a_worker(tmp_path: Path) -> None:
     mark = tmp_path / "hung"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "AVRID_TEST_HUNG_MARK": str(mark)}
@@ -153,6 +158,7 @@ def test_one_ctrl_c_stops_an_in_process_run_stuck_in_a_worker(tmp_path: Path) ->
 
 # ---- any batch over any DP size ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     # Mini-batches of one sequence over two ranks: one rank's shard is empty every time.
     ("train.mini_batch_size=1",),

@@ -73,6 +73,7 @@ def make_chatty_task() -> ChattyDigits:
     return ChattyDigits()
 
 
+@pytest.mark.slow
 def test_the_command_on_ray_prints_no_escape_codes_or_warnings_and_starts_the_bar_late(
         tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()

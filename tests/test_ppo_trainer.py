@@ -81,6 +81,7 @@ def test_resume_refuses_a_changed_algorithm_setting(tmp_path: Path) -> None:
         train(tiny(tmp_path, "train.steps=2", "train.resume=true", "algo.clip_high=0.3"))
 
 
+@pytest.mark.slow
 def test_ray_gives_the_same_metrics_as_in_process(tmp_path: Path, ray_cluster: None) -> None:
     local = train(tiny(tmp_path / "local", "train.steps=2"))
     on_ray = train(tiny(tmp_path / "ray", "train.steps=2", "placement.backend=ray"))
@@ -214,6 +215,7 @@ def test_the_command_trains_and_writes_its_outputs(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_000002"
 
 
+@pytest.mark.slow
 def test_the_command_rejects_bad_input_with_a_message() -> None:
     done = _avrid("ppo", "--preset", "huge")
     assert done.returncode == 2 and "unknown preset 'huge'" in done.stderr
