@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from avrid.cli import main
 from avrid.ppo.driver.run import train
 from avrid.ppo.driver.stopping import STOP_SIGNALS, StopSignals, keep_own_sigterm
 from avrid.ppo.outputs.outdir import LOCK_FILE
 from avrid.ppo.setup.presets import PRESETS
+from tests.test_cli_config import run_main
 from tests.test_ppo_trainer import tiny
 
 pytestmark = pytest.mark.chapter(5)
@@ -153,16 +153,6 @@ def test_ray_start_keeps_the_sigterm_handler_the_process_set() -> None:
 SMALL = ["--backend", "inprocess", "--steps", "2", "--set", "train.prompts_per_step=4",
          "--set", "algo.responses_per_prompt=4", "--set", "train.mini_batch_size=16",
          "--set", "train.val_prompts=4", "--set", "train.progress=false"]
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as done:
-        code = int(done.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def files(out: Path) -> dict[str, tuple[int, bytes]]:
