@@ -202,7 +202,7 @@ class PipelinedTrainer(Trainer):
         if held.rollout_version == self.trainer_version:
             self._push()
             self._settle_push(wait=True)
-            self._spans, self._push_trainer, self._push_ranks = [], [], []  # not the run's
+            self._spans, self._push_ranks = [], []  # this push is not the saved run's
         self.rollout_version = held.rollout_version
         self._push_trainer = list(held.pushes)  # the next step reports them, as it would have
 

@@ -156,10 +156,7 @@ def _already_complete(config: PPOConfig, ck: Checkpoint, started: float,
             f"train.steps={config.train.steps}, so there is nothing to train (outputs in "
             f"{out}/; raise --steps to train further)")
     rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
-    vals = [r["val/reward"] for r in rows if r.get("val/reward") is not None]
-    return RunSummary(out_dir=out, rows=rows, initial_val_reward=vals[0] if vals else float("nan"),
-                      final_val_reward=vals[-1] if vals else float("nan"),
-                      seconds=time.time() - started, already_complete=True)
+    return _summary(out, rows, started, already_complete=True)
 
 
 def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
@@ -208,10 +205,16 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
     # After the workers are gone: reads the last checkpoint's actor weights back (page cache)
     # and writes one safetensors file; replaces the export of an earlier, resumed run.
     export_checkpoint(ckpt_root, out / "export", overwrite=True)
+    return _summary(out, rows, started)
+
+
+def _summary(out: Path, rows: list[dict[str, Any]], started: float, *,
+             already_complete: bool = False) -> RunSummary:
+    """The `RunSummary` of a run whose metrics are `rows`, begun at time `started`."""
     vals = [r["val/reward"] for r in rows if r.get("val/reward") is not None]
     return RunSummary(out_dir=out, rows=rows, initial_val_reward=vals[0] if vals else float("nan"),
                       final_val_reward=vals[-1] if vals else float("nan"),
-                      seconds=time.time() - started)
+                      seconds=time.time() - started, already_complete=already_complete)
 
 
 def metrics_logger(config: PPOConfig, resume_step: int | None) -> MetricsLogger:
