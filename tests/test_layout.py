@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import grimp
@@ -51,20 +52,70 @@ def test_the_library_has_no_import_cycle() -> None:
     assert not cycles, "\n".join(cycles)
 
 
+READING_ENTRY = re.compile(r"^\s*(\d+)\.\s+(\S+\.py)\s", re.MULTILINE)
+"""A numbered entry of a reading order: ``3. losses.py   what it holds``."""
+
+
+def reading_order_problems(doc: str, files: list[str]) -> list[str]:
+    """What is wrong with the reading order in a sub-package's docstring `doc`, for a package
+    holding `files`: it must say "Read in this order" and number each file exactly once, by
+    its exact name (a file named only inside a longer name, ``engine.py`` in
+    ``vllm_engine.py``, is not listed), and name no file that is not there."""
+    if "Read in this order" not in doc:
+        return ["no 'Read in this order'"]
+    entries = READING_ENTRY.findall(doc)
+    listed = [name for _, name in entries]
+    problems = []
+    if [int(n) for n, _ in entries] != list(range(1, len(entries) + 1)):
+        problems.append(f"not numbered 1..{len(entries)}: {[n for n, _ in entries]}")
+    if missing := sorted(set(files) - set(listed)):
+        problems.append(f"does not list {missing}")
+    if extra := sorted(set(listed) - set(files)):
+        problems.append(f"lists files that are not there: {extra}")
+    if twice := sorted({f for f in listed if listed.count(f) > 1}):
+        problems.append(f"lists {twice} more than once")
+    return problems
+
+
 @pytest.mark.parametrize("package", sorted(p.name for p in PPO.iterdir()
                                            if (p / "__init__.py").is_file()))
 def test_each_sub_package_gives_its_reading_order_naming_every_file(package: str) -> None:
     doc = ast.get_docstring(ast.parse((PPO / package / "__init__.py").read_text())) or ""
-    assert "Read in this order" in doc, f"avrid/ppo/{package}/__init__.py"
     files = sorted(p.name for p in (PPO / package).glob("*.py") if p.name != "__init__.py")
-    missing = [f for f in files if f not in doc]
-    assert not missing, f"avrid/ppo/{package}/__init__.py does not list {missing}"
+    problems = reading_order_problems(doc, files)
+    assert not problems, f"avrid/ppo/{package}/__init__.py: {problems}"
 
 
-def _ppo_files_called_by_the_step() -> set[str]:
-    """Files of avrid/ppo that define a name used in the bodies of `STEP_FUNCTIONS`
-    (annotations left out: they are types, not calls)."""
-    tree = ast.parse((PPO / "driver" / "trainer.py").read_text())
+def test_a_reading_order_must_name_each_file_exactly() -> None:
+    # engine.py appears only inside vllm_engine.py: a substring test would count it listed.
+    doc = "Read in this order:\n\n1. vllm_engine.py  the engine\n2. gone.py  a removed file\n"
+    assert "engine.py" in doc
+    assert reading_order_problems(doc, ["engine.py", "vllm_engine.py"]) == [
+        "does not list ['engine.py']", "lists files that are not there: ['gone.py']"]
+    assert reading_order_problems("1. a.py  x\n3. b.py  y\n", ["a.py", "b.py"]) == [
+        "no 'Read in this order'"]
+    assert reading_order_problems("Read in this order:\n1. a.py  x\n3. b.py  y\n",
+                                  ["a.py", "b.py"]) == ["not numbered 1..2: ['1', '3']"]
+
+
+def names_outside_annotations(node: ast.AST) -> Iterator[str]:
+    """The `ast.Name`s under `node`, except those inside an annotation (of a variable, an
+    argument or a return value): those are types, not calls. A walk of its own, since
+    `ast.walk` has queued a node's children before it yields the node."""
+    if isinstance(node, ast.Name):
+        yield node.id
+    for field, value in ast.iter_fields(node):
+        if field in ("annotation", "returns"):
+            continue
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, ast.AST):
+                yield from names_outside_annotations(child)
+
+
+def ppo_files_called_by_the_step(source: str) -> set[str]:
+    """Files of avrid/ppo that define a name used in the bodies of `STEP_FUNCTIONS` in
+    `source` (trainer.py's text), annotations left out."""
+    tree = ast.parse(source)
     home = {}
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("avrid.ppo."):
@@ -72,19 +123,28 @@ def _ppo_files_called_by_the_step() -> set[str]:
             home.update({a.asname or a.name: path for a in node.names})
     functions = [n for n in ast.walk(tree)
                  if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in STEP_FUNCTIONS]
-    used = set()
-    for fn in functions:
-        for stmt in fn.body:
-            for node in ast.walk(stmt):
-                if isinstance(node, ast.AnnAssign):
-                    node.annotation = ast.Constant(None)  # a type, not a call
-                if isinstance(node, ast.Name) and node.id in home:
-                    used.add(home[node.id])
-    return used | {"driver/trainer.py"}
+    used = {name for fn in functions for stmt in fn.body
+            for name in names_outside_annotations(stmt)}
+    return {home[name] for name in used if name in home} | {"driver/trainer.py"}
+
+
+def test_a_name_used_only_as_a_type_adds_no_file_to_the_step() -> None:
+    source = (
+        "from avrid.ppo.algo.losses import policy_loss\n"
+        "from avrid.ppo.outputs.metrics import MetricsWriter\n"
+        "from avrid.ppo.data.columns import Totals\n\n"
+        "class Trainer:\n"
+        "    def train_step(self, step):\n"
+        "        writer: MetricsWriter = self.writer\n"
+        "        def inner(totals: Totals) -> MetricsWriter:\n"
+        "            return totals\n"
+        "        return policy_loss(step)\n")
+    assert ppo_files_called_by_the_step(source) == {"algo/losses.py", "driver/trainer.py"}
 
 
 def test_one_step_reads_in_eight_files_which_the_chapter_readme_lists_in_order() -> None:
-    assert _ppo_files_called_by_the_step() == set(STEP_FILES)
+    assert ppo_files_called_by_the_step(
+        (PPO / "driver" / "trainer.py").read_text()) == set(STEP_FILES)
     assert len(STEP_FILES) <= 8
     readme = (ROOT / "chapters" / "ch05_ppo" / "README.md").read_text()
     positions = [readme.find(f"avrid/ppo/{f}") for f in STEP_FILES]
