@@ -57,15 +57,20 @@ def a_batch(n: int = 6) -> Batch:
 
 def test_tensors_round_trip_bit_identical_and_writable() -> None:
     values = samples()
-    blob, buffers = pack(((values,), {"big": torch.arange(INBAND_BYTES, dtype=torch.int32)}))
+    sent = torch.arange(INBAND_BYTES, dtype=torch.int32)
+    blob, buffers = pack(((values,), {"big": sent}))
     assert len(buffers) == 1  # only the tensor over INBAND_BYTES went out of band
+    arrived = bytes(buffers[0])  # the out-of-band buffer as it arrived
     (back,), kwargs = unpack(blob, buffers)
     for name, tensor in values.items():
         assert same_bits(tensor, back[name]), name
         assert back[name].requires_grad == tensor.requires_grad
     big = kwargs["big"]
     assert torch.equal(big, torch.arange(INBAND_BYTES, dtype=torch.int32))
-    big[0] = 7  # its own writable memory, not the buffer it arrived in
+    big[0] = 7  # its own writable memory, not the buffer it arrived in:
+    # the buffer (here a view of the sender's tensor; in Ray, the object store's shared
+    # memory) and the sender's tensor are unchanged.
+    assert bytes(buffers[0]) == arrived and sent[0] == 0
 
 
 def test_a_shard_and_a_result_arrive_as_the_same_objects() -> None:
