@@ -1,6 +1,8 @@
 """Chapter 1: torch tensors cross Ray processes in avrid's calls as numpy buffers
-(`workers/tensor_wire.py`), bit for bit, writable on arrival, and faster than torch's own
-pickling; nothing is registered with Ray (`test_wire_guest.py` checks the user's side)."""
+(`workers/tensor_wire.py`), bit for bit and writable on arrival; a view sends only its own
+elements, both ways, which shows the wire was used (torch's own pickling sends the whole
+storage); nothing is registered with Ray (`test_wire_guest.py` checks the user's side). Why
+it is faster than torch's pickling is `tensor_wire.py`'s docstring; no test times it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pickle
 import pytest
 import torch
 
+from avrid.workers import Worker
 from avrid.workers.tensor_wire import INBAND_BYTES, _from_wire, _to_wire
 
 pytestmark = pytest.mark.chapter(1)
@@ -92,3 +95,28 @@ def test_tensors_cross_ray_actors_bit_identical(ray_cluster: None) -> None:
     for name, tensor in sent.items():
         assert same_bits(tensor, back[name]), name
     assert isinstance(back["parameter"], torch.nn.Parameter)
+
+
+class ViewProbe(Worker):
+    """Says how much storage a tensor it was sent arrived with, and answers with a view of a
+    large tensor of its own (what arrives on the driver shows the way back)."""
+
+    def probe(self, sent: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The storage bytes `sent` arrived with, and 10 elements of a 4 MB tensor."""
+        return sent.untyped_storage().nbytes(), torch.arange(1_000_000.0)[5:15]
+
+
+def test_a_view_crosses_ray_as_its_own_elements_both_ways(ray_cluster: None) -> None:
+    """The wire, not torch's pickling, carried the call: torch's reduction would send the
+    whole 4 MB storage under a 10-element view, and the view would arrive in it."""
+    from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, plan_placement
+
+    placement = plan_placement([ResourcePool.uniform("cpu", 1, cpus=0.5)],
+                               [RoleSpec(role="probe", worker=ViewProbe,
+                                         mesh=Mesh.of(dp=1), pool="cpu", cpus=0.5)])
+    with RayBackend().launch(placement) as cluster:
+        [(arrived, back)] = cluster.group("probe", ViewProbe).call(
+            ViewProbe.probe, torch.arange(1_000_000.0)[10:20])
+    assert arrived == 10 * 4  # driver -> worker
+    assert torch.equal(back, torch.arange(5.0, 15.0))
+    assert back.untyped_storage().nbytes() == 10 * 4  # worker -> driver
