@@ -13,6 +13,9 @@ test that can never fit hold up the queue. What longest-first with backfilling p
   induction, test k (counted from 1) starts by (k - 1) x D.
 - on random workloads its makespan is on average no worse than FCFS's, and never below the
   lower bound max(total GPU-time / GPUs, longest test).
+
+The judge of the properties (`check_safe`) is shown to fail on each kind of unsafe plan, and
+the `Scheduler` to refuse each start a broken policy could make.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from avrid.gpusched import (
     Job,
     LongestFirstBackfill,
     Plan,
+    Planned,
     Scheduler,
     lower_bound,
     simulate,
@@ -106,9 +110,90 @@ def test_a_plan_never_over_commits_and_places_every_possible_test(
     jobs, gpus = workload
     plan = simulate(jobs, gpus, policy)
     check_safe(plan, jobs, gpus)
-    for p in plan.entries:
-        assert p.end - p.start == pytest.approx(p.job.duration_s)
-    assert plan.makespan >= plan.lower_bound - EPS
+    start = {p.job.name: p.start for p in plan.entries}
+    order = policy.order([j for j in jobs if j.name not in plan.skipped])
+    if order:  # nothing runs at 0: the head of the queue fits, and starts
+        assert start[order[0].name] == 0.0
+    if isinstance(policy, Fcfs):  # nothing overtakes a test that waits
+        assert [start[j.name] for j in order] == sorted(start[j.name] for j in order)
+
+
+def planned(name: str, gpus: tuple[str, ...], start: float, end: float, *, width: int = 0,
+            memory_gb: float | None = None) -> Planned:
+    return Planned(job=Job(name=name, gpus=width or len(gpus), duration_s=end - start,
+                           memory_gb=memory_gb), gpus=gpus, start=start, end=end)
+
+
+def a_plan(*entries: Planned, skipped: dict[str, str] | None = None) -> Plan:
+    return Plan(policy="by hand", entries=entries, skipped=skipped or {}, first_reservation={},
+                makespan=max(p.end for p in entries), lower_bound=0.0, gpus=2)
+
+
+@pytest.mark.parametrize(("plan", "jobs"), [
+    # g0 in two tests at once
+    (a_plan(planned("a", ("g0",), 0, 2), planned("b", ("g0",), 1, 3)), ["a", "b"]),
+    # a 2-GPU test on one GPU, twice
+    (a_plan(planned("a", ("g0", "g0"), 0, 1)), ["a"]),
+    # a 2-GPU test on one GPU
+    (a_plan(planned("a", ("g0",), 0, 1, width=2)), ["a"]),
+    # a test lost
+    (a_plan(planned("a", ("g0",), 0, 1)), ["a", "b"]),
+    # a test placed twice
+    (a_plan(planned("a", ("g0",), 0, 1), planned("a", ("g1",), 0, 1)), ["a"]),
+    # 40 GiB needed on a 16 GiB GPU
+    (a_plan(planned("a", ("g1",), 0, 1, memory_gb=40.0)), ["a"]),
+    # a possible test skipped
+    (a_plan(planned("a", ("g0",), 0, 1), skipped={"b": "no"}), ["a", "b"]),
+], ids=["over-committed", "same GPU twice", "too few GPUs", "lost", "placed twice",
+        "too little memory", "skipped though it fits"])
+def test_the_safety_check_refuses_an_unsafe_plan(plan: Plan, jobs: list[str]) -> None:
+    """`check_safe`, the property tests' judge, fails on each way a plan can be wrong."""
+    by_name = {p.job.name: p.job for p in plan.entries}
+    workload = [by_name.get(n) or Job(name=n, gpus=1, duration_s=1.0) for n in jobs]
+    with pytest.raises(AssertionError):
+        check_safe(plan, workload, gpus_of(2, [80.0, 16.0]))
+
+
+class Told:
+    """A policy that starts, at its first decision, exactly what it is told to (a broken
+    policy, to see the scheduler refuse it)."""
+
+    name = "told"
+
+    def __init__(self, *starts: tuple[str, tuple[str, ...]]) -> None:
+        self.starts = starts
+
+    def order(self, jobs: list[Job]) -> list[Job]:
+        return list(jobs)
+
+    def decide(self, view: View) -> Decision:
+        jobs = {j.name: j for j in view.waiting}
+        return Decision(starts=tuple(
+            Start(job=jobs.get(name) or Job(name=name, gpus=len(ids), duration_s=1.0),
+                  gpus=ids) for name, ids in self.starts))
+
+
+@pytest.mark.parametrize(("starts", "problem"), [
+    ((("a", ("g0",)), ("b", ("g0",))), r"gave b GPUs \('g0',\): free are \['g1', 'g2'\]"),
+    ((("w", ("g0",)),), r"gave w GPUs \('g0',\): it needs 2 distinct"),
+    ((("a", ("g0", "g1")),), r"gave a GPUs \('g0', 'g1'\): it needs 1 distinct"),
+    ((("w", ("g0", "g0")),), r"gave w GPUs \('g0', 'g0'\): it needs 2 distinct"),
+    ((("a", ("g0", "g0")),), r"gave a GPUs \('g0', 'g0'\): it needs 1 distinct"),
+    ((("a", ("g9",)),), r"gave a GPUs \('g9',\): free are"),
+    ((("big", ("g2",)),), r"gave big GPUs \('g2',\): it needs 40 GiB on each"),
+    ((("ghost", ("g0",)),), r"gave ghost GPUs \('g0',\): it is not waiting"),
+    ((("a", ("g0",)), ("a", ("g1",))), r"gave a GPUs \('g1',\): it is not waiting"),
+], ids=["a busy GPU", "too few", "too many", "one GPU twice for two",
+        "one GPU twice for one", "not in the inventory", "too little memory",
+        "a test never queued", "a test started twice"])
+def test_the_scheduler_refuses_a_start_no_policy_may_make(
+        starts: tuple[tuple[str, tuple[str, ...]], ...], problem: str) -> None:
+    jobs = [Job(name="a", gpus=1, duration_s=1), Job(name="b", gpus=1, duration_s=1),
+            Job(name="w", gpus=2, duration_s=1), Job(name="big", gpus=1, duration_s=1,
+                                                      memory_gb=40.0)]
+    scheduler = Scheduler(jobs, gpus_of(3, [80.0, 80.0, 16.0]), Told(*starts))
+    with pytest.raises(RuntimeError, match=rf"^policy told {problem}"):
+        scheduler.starts(0.0)
 
 
 @given(workload=workloads())

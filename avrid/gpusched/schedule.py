@@ -16,7 +16,8 @@ decides which waiting tests start now. Two policies:
 - `Fcfs`: the queue in the given order, starting tests while they fit and stopping at the
   first that does not, with nothing overtaking it: the baseline the default is measured on.
 
-`Scheduler` holds the state (waiting, running, free GPUs) and asks its policy at each event;
+`Scheduler` holds the state (waiting, running, free GPUs), asks its policy at each event and
+refuses a start no policy may make (busy, repeated or too small GPUs, a test not waiting);
 the same object drives the planned schedule (`plan.simulate`, over expected durations) and
 the live run (the plugin, as real tests end). Not here: processes, time itself or pytest.
 """
@@ -259,6 +260,7 @@ class Scheduler:
             raise ValueError("job names must be unique")
         self.policy: Policy = policy or LongestFirstBackfill()
         self.gpus = tuple(gpus)
+        self._by_id = {g.id: g for g in self.gpus}
         self.skipped: dict[str, str] = {}
         """Name -> why it can never start here."""
         feasible = []
@@ -292,14 +294,29 @@ class Scheduler:
             self.first_reservation.setdefault(decision.reservation.job.name,
                                               decision.reservation.at)
         for start in decision.starts:
-            if not self.free.issuperset(start.gpus) or len(set(start.gpus)) != start.job.gpus:
-                raise RuntimeError(f"policy {self.policy.name} gave {start.job.name} GPUs "
-                                   f"{start.gpus}, free are {sorted(self.free)}")
+            self._check(start)
             self.waiting.remove(start.job)
             self.free.difference_update(start.gpus)
             self.running[start.job.name] = Running(job=start.job, gpus=start.gpus, start=now,
                                                    expected_end=now + start.job.duration_s)
         return list(decision.starts)
+
+    def _check(self, start: Start) -> None:
+        """Refuse a start no policy may make (a bug in the policy): a test that is not
+        waiting, or GPUs that are busy, unknown, repeated, too few or too many, or short of
+        the memory the test needs."""
+        job, ids = start.job, start.gpus
+        if job not in self.waiting:
+            problem = "it is not waiting"
+        elif len(ids) != job.gpus or len(set(ids)) != len(ids):
+            problem = f"it needs {job.gpus} distinct GPU(s)"
+        elif not self.free.issuperset(ids):
+            problem = f"free are {sorted(self.free)}"
+        elif not all(fits(self._by_id[g], job) for g in ids):
+            problem = f"it needs {job.memory_gb:g} GiB on each"
+        else:
+            return
+        raise RuntimeError(f"policy {self.policy.name} gave {job.name} GPUs {ids}: {problem}")
 
     def finish(self, name: str, now: float) -> Running:
         """`name` ended (at `now`): its GPUs are free again."""
