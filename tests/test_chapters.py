@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from avrid.cli import CHAPTERS
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.project
 
@@ -39,7 +39,7 @@ in printed tables); every other notebook must be saved with its figures."""
 def test_chapter_demo_runs_on_cpu(chapter: str) -> None:
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", f"chapters.{chapter}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=200, env=os.environ.copy())
+                         capture_output=True, text=True, timeout=200, env=child_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert time.monotonic() - start < 200
     # each demo ends by checking its own results and saying so

@@ -14,7 +14,6 @@ processes is left" is "no live process has that session id", whatever else runs 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -27,14 +26,14 @@ from avrid.ppo.driver.run import train
 from avrid.ppo.driver.stopping import STOP_SIGNALS, StopSignals, keep_own_sigterm
 from avrid.ppo.outputs.outdir import LOCK_FILE
 from avrid.ppo.setup.presets import PRESETS
+from tests.helpers import child_env
 from tests.test_cli_config import run_main
 from tests.test_ppo_trainer import tiny
 
 pytestmark = pytest.mark.chapter(5)
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-       "PYTHONPATH": str(ROOT)}
+ENV = child_env()
 
 
 # ---- stopping: SIGTERM and a second Ctrl-C --------------------------------------------------

@@ -26,6 +26,7 @@ from avrid.gpusched import Durations, GpuNeeds, InventoryError, MarkerError, nee
 from avrid.gpusched.durations import load_durations, save_durations
 from avrid.gpusched.inventory import parse_gpus
 from avrid.gpusched.runner import Child, ChildSpec, retry_reason
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.project
 
@@ -151,7 +152,7 @@ def test_a_timed_out_test_loses_its_whole_process_group_even_if_it_ignores_sigte
         "    time.sleep(1000)\n")
     spec = ChildSpec(nodeid="test_stubborn.py::test_stubborn", devices="fake0", omp_threads=1,
                      timeout_s=2.0, rootdir=tmp_path, inifile=None, workdir=tmp_path / "run")
-    child = Child(spec, environ={**os.environ, "PYTEST_ADDOPTS": FAST_START}, grace_s=0.5)
+    child = Child(spec, environ=child_env(PYTEST_ADDOPTS=FAST_START), grace_s=0.5)
     started = time.monotonic()
     while (exit := child.poll()) is None:
         assert time.monotonic() - started < 30, "the stubborn test was never killed"

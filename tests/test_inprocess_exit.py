@@ -13,7 +13,6 @@ so that the exit wins the race every time on code that only joins the Python thr
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from avrid.workers import Worker
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.chapter(1)
 
@@ -57,8 +57,7 @@ sys.exit(2)  # what `avrid ppo` does after an error: exit at once, status 2
 
 
 def test_the_driver_exits_with_its_status_after_rank_threads_used_torch() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "terminate called" not in done.stderr, done.stderr

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests.helpers import child_env
+
 pytestmark = pytest.mark.project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +44,8 @@ the feature's own error names the package). pytest: only the GPU test scheduler
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
 
 
 def _expand(extra: str) -> set[str]:
@@ -138,7 +140,8 @@ def test_the_wheel_ships_py_typed_and_the_license_and_a_light_core(tmp_path: Pat
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                             "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
-                            str(src)], capture_output=True, text=True, timeout=300)
+                            str(src)], env=child_env(), capture_output=True, text=True,
+                           timeout=300)
     assert build.returncode == 0, build.stderr
     assert "deprecat" not in build.stderr.lower(), build.stderr
     (wheel,) = (tmp_path / "dist").glob("avrid-*.whl")
@@ -167,7 +170,7 @@ def test_avrid_ppo_without_its_extra_names_the_extra_in_one_line() -> None:
     code = ("import sys; sys.modules['yaml'] = None\n"
             "from avrid.cli import main\n"
             "main(['ppo', '--print-config'])")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True,
+                         text=True, timeout=60)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == ["avrid ppo needs pyyaml: pip install 'avrid[ppo]'"]

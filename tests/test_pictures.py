@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from chapters.ch04_resharding.figure import (
     save_transfer_figure,
     transfer_figure,
 )
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.chapter(3)
 
@@ -138,7 +138,7 @@ def test_an_unknown_name_keeps_its_colour_whatever_else_is_drawn() -> None:
             "m = u.module_from_spec(s); s.loader.exec_module(m); "
             "print(m.span_color('mystery'))")
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}
+                           check=True, env=child_env(PYTHONHASHSEED=seed)
                            ).stdout.strip() for seed in ("1", "2")}
     assert seen == {span_color("mystery")}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from avrid.ppo.outputs.progress import Progress, _bar_class
 from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.task import Prompt
+from tests.helpers import child_env
 from tests.test_ppo_trainer import tiny as trainer_tiny
 
 pytestmark = pytest.mark.chapter(5)
@@ -76,9 +76,7 @@ def make_chatty_task() -> ChattyDigits:
 @pytest.mark.slow
 def test_the_command_on_ray_prints_no_escape_codes_or_warnings_and_starts_the_bar_late(
         tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_COLOR_PREFIX", "PYTHONWARNINGS", "RAY_ADDRESS")}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = {k: v for k, v in child_env().items() if k != "PYTHONWARNINGS"}
     done = subprocess.run(
         [sys.executable, "-m", "avrid.cli", "ppo", "--steps", "2", "--address", "local",
          "--task", "tests.test_ppo_output_clean:make_chatty_task",
@@ -117,10 +115,8 @@ it starts."""
 def test_the_vllm_command_shows_avrids_own_lines_only(tmp_path: Path) -> None:
     """`avrid ppo --preset tiny-ppo-vllm --steps 2` printed 71 lines, most of them vLLM's
     warnings, a harmless "Chat template warmup failed" traceback among them."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_COLOR_PREFIX", "PYTHONWARNINGS", "RAY_ADDRESS", "AVRID_DEBUG",
-                        "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH")}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = {k: v for k, v in child_env().items()
+           if k not in ("PYTHONWARNINGS", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH")}
     done = subprocess.run(
         [sys.executable, "-m", "avrid.cli", "ppo", "--preset", "tiny-ppo-vllm", "--steps", "2",
          "--address", "local", "--out", str(tmp_path / "run")],

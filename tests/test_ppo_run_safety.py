@@ -21,9 +21,10 @@ import torch
 from avrid.ppo.driver import run as run_module
 from avrid.ppo.driver.run import NoCheckpointError, restore_rng_states, rng_states, train
 from avrid.ppo.outputs.checkpoint import CorruptCheckpointError, latest_checkpoint, load_checkpoint
-from avrid.ppo.outputs.outdir import LOCK_FILE, OutDirBusyError, OutDirError, OutDirLock, WriteError
+from avrid.ppo.outputs.outdir import OutDirBusyError, OutDirError, OutDirLock, WriteError
 from avrid.ppo.setup.config import TrainConfig
 from avrid.ppo.setup.presets import PRESETS
+from tests.helpers import child_env, snapshot
 from tests.test_ppo_checkpoint import tamper
 from tests.test_ppo_trainer import ROOT, EchoFirstTask, algorithmic, tiny
 
@@ -37,12 +38,6 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the run went on to build its trainer")
 
     monkeypatch.setattr(run_module, "Trainer", refuse)
-
-
-def snapshot(out: Path) -> dict[str, bytes]:
-    """Every file under `out` (but the lock file) and its bytes."""
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.name != LOCK_FILE}
 
 
 # ---- resume without a checkpoint; a fresh run over an earlier one ------------------------------
@@ -85,7 +80,7 @@ def test_a_second_run_on_a_busy_directory_is_refused_until_the_holder_dies(
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from avrid.ppo.outputs.outdir import OutDirLock; "
          "OutDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)",
-         str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+         str(tmp_path)], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(OutDirBusyError, match=rf"output directory {tmp_path} is in use by "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.task import Prompt
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -198,8 +198,7 @@ def test_unknown_preset_lists_the_known_ones() -> None:
 # ---- the command -------------------------------------------------------------------------------
 
 def _avrid(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    return subprocess.run([sys.executable, "-m", "avrid.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "avrid.cli", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
 
 

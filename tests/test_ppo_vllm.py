@@ -1,11 +1,13 @@
-"""The real vLLM rollout engine against the trainer (`vllm` tier: `make test-vllm`).
+"""The real vLLM rollout engine against the trainer (`vllm` tier: `make test-vllm` on CPU,
+`make gpu-test` on CUDA).
 
 Runs wherever vllm imports: vLLM's CPU build here and in CI, its CUDA build on GPUs. A tiny
 random Qwen2 is saved with `save_pretrained` and served by vLLM without a tokenizer (token
 ids in and out). Its head dim is 64, a size every vLLM attention backend supports (vLLM's CPU
 kernels refuse 16). One engine serves the module (sleep mode where the platform has it: one
-CuMem engine per process); a second, bf16 engine is built and closed inside one test. Only
-the sleep test needs CUDA (vLLM has no sleep mode on CPU) and is marked gpu as well.
+CuMem engine per process); a second, bf16 engine is built and closed inside one test. Two
+tests need CUDA (vLLM has no sleep mode on CPU) and are marked gpu as well: sleep and wake,
+and a weight load refused while asleep; `make gpu-test` runs them (in .venv-vllm-gpu).
 The trainer's side of the log-prob checks is the code training runs (`tests.helpers`).
 """
 

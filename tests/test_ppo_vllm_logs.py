@@ -23,6 +23,7 @@ import pytest
 
 from avrid import cli
 from avrid.ppo.engines.vllm_logs import quiet_vllm, vllm_logs_wanted
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -175,7 +176,7 @@ def run_engine(tmp_path: Path, **env: str) -> tuple[list[str], dict]:
     """Build, load, generate and close a tiny VllmEngine in a fresh process; (the lines it
     printed from building the engine on, stdout and stderr together, the STATE line left
     out; that state)."""
-    base = {k: v for k, v in os.environ.items()
+    base = {k: v for k, v in child_env().items()
             if k not in ("AVRID_DEBUG", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH",
                          "PYTHONWARNINGS")}
     done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(tmp_path / "model")],

@@ -17,7 +17,6 @@ The first two run as scripts in a fresh interpreter (a real ``__main__``, and a 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 from avrid.workers import Mesh, RayBackend, ResourcePool, RoleSpec, plan_placement
-from tests.helpers import TensorEchoWorker
+from tests.helpers import TensorEchoWorker, child_env
 
 pytestmark = pytest.mark.chapter(1)
 
@@ -179,9 +178,8 @@ def run_script(tmp_path: Path, script: str, *args: str) -> str:
 
     path = tmp_path / "script.py"
     path.write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(path), ray.get_runtime_context().gcs_address,
-                           *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           *args], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
