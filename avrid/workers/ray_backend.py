@@ -63,9 +63,11 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
     A local Ray gets `num_cpus` (default max(8, cores)): CPUs are logical scheduling slots in
     Ray, so a laptop can host the course's 4-8 single-CPU workers. `num_gpus` > 0 on a machine
     without GPUs makes *pretend* GPUs: Ray only does the bookkeeping, which is enough to watch
-    fractional shares being placed. A cluster brings its own resources and Ray refuses both
-    there: they are an error next to an explicit `address`, and are ignored when the address
-    comes from ``RAY_ADDRESS`` (the caller sized a local Ray; the user chose the cluster).
+    fractional shares being placed. Its workers run at normal priority (Ray's default is
+    nice 15, which starves them beside any other busy program). A cluster brings its own
+    resources and Ray refuses both there: they are an error next to an explicit `address`, and
+    are ignored when the address comes from ``RAY_ADDRESS`` (the caller sized a local Ray; the
+    user chose the cluster).
 
     Raises:
         ConnectionError: nothing answers at the cluster's address within `connect_timeout_s`
@@ -84,9 +86,14 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
     target = address if address is not None else (os.environ.get("RAY_ADDRESS") or None)
     if target is None or target == "local":
         # "local" explicitly: with None, Ray would join the cluster `ray start` left behind.
+        # worker_niceness=0: Ray starts every worker process at nice 15, below the raylet's
+        # priority. On a machine that also runs other work (a laptop, a shared CI runner) a
+        # nice-15 process gets about 1/30 of a core beside one busy nice-0 process, so the
+        # workers, which do all of avrid's computing, crawled: a 14 s test took over 400 s
+        # beside two busy loops. At 0 they share the cores fairly, as the driver does.
         ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1),
                  num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False)
+                 configure_logging=False, _system_config={"worker_niceness": 0})
         _no_colour_reset_at_exit()
         return
     if address is not None and (num_cpus is not None or num_gpus is not None):
