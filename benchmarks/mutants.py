@@ -1,0 +1,382 @@
+"""Chapters 5-6 — a mutation check of the RL math and the roles: would a test notice?
+
+Each `Site` below names one line that applies a formula (a clip bound, a KL coefficient, an
+importance weight, an aggregation weight, GAE's discount, ...) and a small change to it:
+delete the line, or replace one expression (``* iw.weights`` dropped, ``maximum`` ->
+``minimum``, clip_low and clip_high swapped). For each site the script copies ``avrid/`` and
+``tests/`` into a temporary directory, applies the change THERE (the working tree is never
+touched: others may be running code from it), runs the site's fast in-process tests against
+the copy, and reports whether they caught it ("killed", and by which test) or not
+("survived"). A survivor is either a hole in the tests (add one) or a change that cannot
+matter, which the site's `why` explains; the table prints both, and the script exits 1 while
+any survivor is unexplained.
+
+    python benchmarks/mutants.py                 # every site (about 15 minutes here)
+    python benchmarks/mutants.py --list          # the sites, without running anything
+    python benchmarks/mutants.py --only kl_loss_coef,is_weights
+
+An anchor is the exact text of the line (or the part of it that changes); it must occur
+exactly once in its file, else the script refuses before running anything (the code moved:
+update the site). `tests/test_mutants.py` checks that on every test run, so the list cannot
+silently rot. This is a check of the tests, not a benchmark: `make bench` does not run it
+(it is not named bench_*.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The tests each kind of site needs (fast, in-process, no Ray).
+MATH = ("tests/test_ppo_math.py",)
+OFF = ("tests/test_off_policy.py",)
+ROLE = ("tests/test_role_formulas.py",)
+OFF_UPDATE = ("tests/test_off_policy_update.py",)
+UPDATES = ("tests/test_ppo_updates.py",)
+TRUNC = ("tests/test_ppo_truncation.py",)
+DP = ("tests/test_ppo_dp_equivalence.py",)
+READS = ("tests/test_ppo_reads.py::test_the_actor_reads_what_its_loss_needs_under_each_config",)
+POLICY = "avrid/ppo/roles/policy.py"
+CRITIC = "avrid/ppo/roles/critic.py"
+FORWARD = "avrid/ppo/roles/forward.py"
+TRAINED = "avrid/ppo/roles/trained.py"
+LOSSES = "avrid/ppo/algo/losses.py"
+ADV = "avrid/ppo/algo/advantages.py"
+OFF_POLICY = "avrid/ppo/algo/off_policy.py"
+LOGPROBS = "avrid/ppo/algo/logprobs.py"
+TRAINER = "avrid/ppo/driver/trainer.py"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Site:
+    """One mutation: in `file`, `anchor` (exactly once there) becomes `replace`, or, with
+    `replace=None`, the whole line holding it is deleted; `tests` are the pytest node ids
+    (run in the copy) that should notice; `why` explains a survivor that cannot matter."""
+
+    name: str
+    file: str
+    anchor: str
+    replace: str | None
+    tests: tuple[str, ...]
+    why: str = ""
+
+    def mutation(self) -> str:
+        """What the change is, for the table."""
+        return "delete line" if self.replace is None else f"-> `{self.replace.strip()}`"
+
+    def apply(self, text: str) -> str:
+        """`text` (the file's source) with the change made; the anchor must be found once."""
+        if text.count(self.anchor) != 1:
+            raise ValueError(f"site {self.name!r}: anchor found {text.count(self.anchor)} "
+                             f"times in {self.file} (expected exactly once)")
+        if self.replace is not None:
+            return text.replace(self.anchor, self.replace)
+        start = text.rindex("\n", 0, text.index(self.anchor)) + 1
+        end = text.index("\n", start) + 1
+        return text[:start] + text[end:]
+
+
+def site(name: str, file: str, anchor: str, replace: str | None, tests: tuple[str, ...],
+         why: str = "") -> Site:
+    return Site(name=name, file=file, anchor=anchor, replace=replace, tests=tests, why=why)
+
+
+SITES: tuple[Site, ...] = (
+    # ---- the actor's loss (roles/policy.py) ----
+    site("is_weights", POLICY, "per_token = per_token * iw.weights", None,
+         OFF_UPDATE + ROLE),
+    site("is_args_swapped", POLICY,
+         'importance_weights(padded(mb, "old_logp"), padded(mb, "rollout_logp"),',
+         'importance_weights(padded(mb, "rollout_logp"), padded(mb, "old_logp"),', OFF_UPDATE),
+    site("is_cap_ignored", POLICY, "correction=correction, cap=q.is_cap)",
+         "correction=correction, cap=1e9)", OFF_UPDATE),
+    site("auto_unresolved", POLICY, "correction = q.applied_correction",
+         'correction = "none"', OFF_UPDATE),
+    site("actor_agg_weights", POLICY, "loss = (per_token * w).sum()",
+         "loss = per_token.sum()", ROLE),
+    site("kl_loss_coef", POLICY, "loss = loss + a.kl_coef * (kl * w).sum()",
+         "loss = loss + 0 * (kl * w).sum()", ROLE),
+    site("kl_loss_detached", POLICY, 'kl = kl_estimate(logp, padded(mb, "ref_logp")',
+         'kl = kl_estimate(logp.detach(), padded(mb, "ref_logp")', ROLE),
+    site("kl_loss_kind", POLICY, 'padded(mb, "ref_logp"), a.kl_kind)',
+         'padded(mb, "ref_logp"), "k3")', ROLE),
+    site("kl_loss_switch", POLICY, 'kl_loss = a.kl_coef > 0 and a.kl_in == "loss"',
+         "kl_loss = False", ROLE),
+    site("entropy_sign", POLICY, "loss = loss - a.entropy_coef * (ent * w).sum()",
+         "loss = loss + a.entropy_coef * (ent * w).sum()", ROLE),
+    site("entropy_weights", POLICY, "a.entropy_coef * (ent * w).sum()",
+         "a.entropy_coef * (ent * mask).sum()", ROLE),
+    site("clip_swapped", POLICY, "clip_low=a.clip_low, clip_high=a.clip_high,",
+         "clip_low=a.clip_high, clip_high=a.clip_low,", ROLE),
+    site("dual_clip_off", POLICY, "dual_clip=a.dual_clip)", "dual_clip=None)", ROLE),
+    site("update_temperature", POLICY,
+         "logp, ent = response_logprobs(self.model, x, self.config.rollout.temperature,",
+         "logp, ent = response_logprobs(self.model, x, 1.0,", ROLE),
+    site("old_logp_temperature", POLICY,
+         "logp, ent = response_logprobs(model, x, self.config.rollout.temperature,",
+         "logp, ent = response_logprobs(model, x, 1.0,", ROLE),
+    site("reads_rollout_logp", POLICY, 'reads += ("rollout_logp",)', "reads += ()", READS),
+    site("reads_ref_logp", POLICY, 'reads += ("ref_logp",)', "reads += ()", READS),
+    # ---- the critic's loss (roles/critic.py) ----
+    site("critic_agg_weights", CRITIC, "return (out.per_token * w).sum()",
+         "return out.per_token.sum()", ROLE),
+    site("value_clip_off", CRITIC, "clip=a.value_clip)", "clip=None)", ROLE),
+    site("critic_old_values", CRITIC, 'out = value_loss(values, padded(mb, "values"),',
+         "out = value_loss(values, values.detach(),", ROLE),
+    # ---- the update walk (roles/forward.py, roles/trained.py) ----
+    site("agg_mode_ignored", FORWARD, "w = token_weights(mask, agg,",
+         'w = token_weights(mask, "token-mean",', ROLE),
+    site("dp_weight", FORWARD, "norm_len=totals.norm_len) * world_size",
+         "norm_len=totals.norm_len)", DP),
+    site("dp_loss_metric", FORWARD, "value = float(loss.detach()) / world_size",
+         "value = float(loss.detach())", DP),
+    site("sample_loss_mask", FORWARD, "mask = x.response_mask * sample_loss_mask(mb)[:, None]",
+         "mask = x.response_mask", UPDATES),
+    site("grad_clip", FORWARD, "clip_grad_norm_(model.parameters(), grad_clip)",
+         "clip_grad_norm_(model.parameters(), 1e9)", ROLE),
+    site("entropy_temperature_forward", FORWARD, "entropy_from_logits(picked, temperature)",
+         "entropy_from_logits(picked)", ROLE),
+    site("lr_warmup", TRAINED, "return lr * (step + 1) / train.lr_warmup_steps",
+         "return lr * step / train.lr_warmup_steps", UPDATES),
+    site("lr_set", TRAINED, 'group["lr"] = lr', 'group["lr"] = self.lr', UPDATES),
+    # ---- losses (algo/losses.py) ----
+    site("k2_half", LOSSES, "return 0.5 * d * d", "return d * d", MATH + (LOSSES,)),
+    site("k3_cap", LOSSES, "return (torch.exp(neg) - neg - 1.0).clamp(max=_MAX_K3)",
+         "return torch.exp(neg) - neg - 1.0", MATH + (LOSSES,)),
+    site("tw_token_mean", LOSSES, "return m / max(tokens, 1)", "return m", MATH + (LOSSES,)),
+    site("tw_seq_sum", LOSSES, "return m / max(seqs, 1)", "return m",
+         MATH + (LOSSES,)),
+    site("tw_seq_mean", LOSSES, "return m / m.sum(1, keepdim=True).clamp(min=1) / max(seqs, 1)",
+         "return m / max(seqs, 1)", MATH + (LOSSES,)),
+    site("tw_norm_len", LOSSES, "return m / (int(norm_len) * max(seqs, 1))",
+         "return m / max(seqs, 1)", MATH + (LOSSES,)),
+    site("pg_pessimistic", LOSSES, "per_token = torch.maximum(unclipped, clipped)",
+         "per_token = torch.minimum(unclipped, clipped)", MATH + (LOSSES,)),
+    site("pg_clip_high", LOSSES, "ratio.clamp(1.0 - clip_low, 1.0 + clip_high)",
+         "ratio.clamp(1.0 - clip_low, 1.0 + clip_low)", MATH + (LOSSES,)),
+    site("pg_dual_only_negative", LOSSES, "dual_flags = (adv < 0) & (per_token > cap)",
+         "dual_flags = per_token > cap", MATH + (LOSSES,)),
+    site("pg_targets_detached", LOSSES, "old, adv = old.detach(), adv.detach()",
+         "old, adv = old, adv", MATH + OFF),
+    site("pg_log_ratio_clamp", LOSSES,
+         "log_ratio = (lp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)",
+         "log_ratio = lp - old", MATH + (LOSSES,)),
+    site("vl_clip", LOSSES, "v_clip = old + (v - old).clamp(-clip, clip)", "v_clip = v",
+         MATH + (LOSSES,)),
+    site("vl_pessimistic", LOSSES, "per_token = 0.5 * torch.maximum(unclipped, clipped)",
+         "per_token = 0.5 * torch.minimum(unclipped, clipped)", MATH + (LOSSES,)),
+    site("vl_half", LOSSES, "per_token = 0.5 * unclipped", "per_token = unclipped",
+         MATH + (LOSSES,)),
+    site("vl_targets_detached", LOSSES, "old, ret = old.detach(), ret.detach()",
+         "old, ret = old, ret", MATH),
+    # ---- advantages (algo/advantages.py) ----
+    site("gae_gamma", ADV, "delta = r[:, t] + gamma * next_v - v[:, t]",
+         "delta = r[:, t] + next_v - v[:, t]", MATH + (ADV,)),
+    site("gae_lam", ADV, "running = delta + gamma * lam * running",
+         "running = delta + gamma * running", MATH + (ADV,)),
+    site("gae_returns", ADV, "returns = torch.where(m, adv + v, 0.0)",
+         "returns = torch.where(m, adv, 0.0)", MATH + (ADV,)),
+    site("grpo_bessel", ADV, "std = (sq / (n - 1).clamp(min=1)).sqrt()",
+         "std = (sq / n).sqrt()", MATH + (ADV,)),
+    site("grpo_std", ADV, "adv = centred / (std[inv] + eps)", "adv = centred",
+         MATH + (ADV,)),
+    site("kl_reward_sign", ADV, "rewards = torch.where(m, -kl_coef * _check_like(",
+         "rewards = torch.where(m, kl_coef * _check_like(", MATH + (ADV,)),
+    site("score_last_token", ADV, "* m).argmax(dim=1)", "* m).argmin(dim=1)",
+         MATH + (ADV,)),
+    site("whiten_bessel", ADV, "var = torch.where(m, (x - mean) ** 2, 0.0).sum() / (n - 1)",
+         "var = torch.where(m, (x - mean) ** 2, 0.0).sum() / n", MATH + (ADV,)),
+    site("whiten_keep_mean", ADV, "out = out + mean", "out = out", MATH + (ADV,)),
+    # ---- the off-policy weights (algo/off_policy.py) ----
+    site("tis_cap", OFF_POLICY, "weights = raw.clamp(max=cap)", "weights = raw",
+         OFF + (OFF_POLICY,)),
+    site("decoupled_drop", OFF_POLICY, "weights = torch.where(capped, 0.0, raw)",
+         "weights = raw.clamp(max=cap)", OFF + (OFF_POLICY,)),
+    site("is_ratio_direction", OFF_POLICY, "log_ratio = (old - rollout).clamp(",
+         "log_ratio = (rollout - old).clamp(", OFF + (OFF_POLICY,)),
+    site("none_is_one", OFF_POLICY, "weights = m.float()", "weights = raw", OFF),
+    site("is_detached", OFF_POLICY, "return torch.where(mask, t.detach().float(), 0.0)",
+         "return torch.where(mask, t.float(), 0.0)", OFF),
+    # ---- log-probs and entropy (algo/logprobs.py) ----
+    site("logp_temperature", LOGPROBS, "scaled = logits.float() / temperature",
+         "scaled = logits.float()", ROLE + (LOGPROBS,)),
+    site("entropy_formula_sign", LOGPROBS, "return -(logp.exp() * logp).sum(-1)",
+         "return (logp.exp() * logp).sum(-1)", ROLE + (LOGPROBS,)),
+    site("entropy_temperature", LOGPROBS,
+         "logp = torch.log_softmax(logits.float() / temperature, dim=-1)",
+         "logp = torch.log_softmax(logits.float(), dim=-1)", ROLE + (LOGPROBS,)),
+    # ---- the advantages the trainer computes (driver/trainer.py) ----
+    site("truncation_penalty", TRAINER, "scores = scores - a.truncation_penalty * truncated",
+         "scores = scores", ROLE + TRUNC),
+    site("truncation_mask", TRAINER,
+         'kept = {"loss_mask": 1.0 - truncated if a.truncation == "mask" else',
+         'kept = {"loss_mask": 1.0 + 0 * truncated if a.truncation == "mask" else',
+         ROLE + TRUNC),
+    site("kl_reward_args", TRAINER,
+         'kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind)',
+         'kl = kl_estimate(padded(batch, "ref_logp"), padded(batch, "old_logp"), a.kl_kind)',
+         ROLE),
+    site("kl_reward_coef", TRAINER, "kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)",
+         "kl_penalized_rewards(scores, kl, mask, kl_coef=0.0)", ROLE),
+    site("gae_args", TRAINER, "gamma=a.gamma, lam=a.lam)", "gamma=a.lam, lam=a.gamma)", ROLE),
+    site("whiten_call", TRAINER, "adv = whiten(adv, mask)", "adv = adv", ROLE),
+    site("grpo_kl_in_score", TRAINER, "seq_scores = scores - a.kl_coef * kl.sum(1)",
+         "seq_scores = scores", ROLE),
+    site("grpo_norm_choice", TRAINER, "norm_by_std=a.grpo_norm_by_std)", "norm_by_std=True)",
+         ROLE),
+)
+
+
+def anchor_problems(sites: tuple[Site, ...] = SITES, root: Path = ROOT) -> list[str]:
+    """A line per site whose anchor is not found exactly once (or whose file or test file is
+    missing); empty when every site still points at its code."""
+    problems = []
+    for s in sites:
+        path = root / s.file
+        if not path.is_file():
+            problems.append(f"{s.name}: no file {s.file}")
+            continue
+        n = path.read_text().count(s.anchor)
+        if n != 1:
+            problems.append(f"{s.name}: anchor {s.anchor!r} found {n} times in {s.file} "
+                            f"(expected exactly once: the code moved; update the site)")
+        for t in s.tests:
+            if not (root / t.split("::")[0]).is_file():
+                problems.append(f"{s.name}: no test file {t.split('::')[0]}")
+    return problems
+
+
+def copy_tree(dest: Path) -> None:
+    """What the tests need, copied: the package, the tests, pytest's configuration."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("avrid", "tests"):
+        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def test_env(copy: Path) -> dict[str, str]:
+    """The copy first on the path; no bytecode (a mutant and the original may share a size
+    and an mtime second); no outside Ray."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", RAY_AUTH_MODE="disabled",
+               RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout_s: int) -> tuple[str, str]:
+    """("passed" | "failed" | "error", the first failing test or what went wrong)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
+           "-m", "not slow", *tests]
+    try:
+        done = subprocess.run(cmd, cwd=copy, env=test_env(copy), capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "failed", f"(timed out after {timeout_s} s)"
+    if done.returncode == 0:
+        return "passed", ""
+    found = FAILED.search(done.stdout)
+    if done.returncode == 1 and found:
+        return "failed", found.group(1)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+    return "error", f"pytest exit {done.returncode}: " + " / ".join(tail)
+
+
+def check_copy(copy: Path) -> None:
+    """The tests must import the copy's avrid, not the installed (editable) one."""
+    code = "import avrid, tests; print(avrid.__file__); print(tests.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, env=test_env(copy),
+                         capture_output=True, text=True, check=True).stdout.split()
+    for path in out:
+        if not Path(path).resolve().is_relative_to(copy.resolve()):
+            raise SystemExit(f"the copy is not what runs: {path} is outside {copy}")
+
+
+def table(rows: list[tuple[Site, str, str]]) -> str:
+    """The markdown table of results."""
+    out = ["| site | file | mutation | result | killed by / why it survives |",
+           "|---|---|---|---|---|"]
+    for s, result, detail in rows:
+        if result == "survived":
+            detail = s.why or "**UNEXPLAINED**"
+        mutation = s.mutation().replace("|", "\\|")
+        out.append(f"| {s.name} | {s.file.removeprefix('avrid/ppo/')} | {mutation} | "
+                   f"{result} | {detail.replace('|', '/')} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="comma-separated site names to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the sites and exit")
+    parser.add_argument("--timeout", type=int, default=900,
+                        help="seconds one site's tests may take (default 900)")
+    args = parser.parse_args(argv)
+    names = [s.name for s in SITES]
+    if len(set(names)) != len(names):
+        raise SystemExit("two sites share a name")
+    sites = SITES
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise SystemExit(f"--only: no site named {unknown}; the sites: {', '.join(names)}")
+        sites = tuple(s for s in SITES if s.name in wanted)
+    problems = anchor_problems(sites)
+    if problems:
+        print("refusing to run: a site no longer matches the code\n  " + "\n  ".join(problems),
+              file=sys.stderr)
+        return 2
+    if args.list:
+        for s in sites:
+            print(f"{s.name:28} {s.file:32} {s.mutation()}\n{'':28} tests: {' '.join(s.tests)}")
+        return 0
+    start = time.monotonic()
+    rows: list[tuple[Site, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="avrid-mutants-") as tmp:
+        copy = Path(tmp)
+        copy_tree(copy)
+        check_copy(copy)
+        everything = tuple(dict.fromkeys(t for s in sites for t in s.tests))
+        print(f"sanity: the unmutated copy on {len(everything)} test targets ...",
+              file=sys.stderr, flush=True)
+        status, detail = run_tests(copy, everything, args.timeout)
+        if status != "passed":
+            print(f"refusing to run: the unmutated copy does not pass: {detail}", file=sys.stderr)
+            return 2
+        for i, s in enumerate(sites, 1):
+            path = copy / s.file
+            original = path.read_text()
+            path.write_text(s.apply(original))
+            try:
+                status, detail = run_tests(copy, s.tests, args.timeout)
+            finally:
+                path.write_text(original)
+            result = {"passed": "survived", "failed": "killed"}.get(status, "error")
+            rows.append((s, result, detail))
+            print(f"[{i}/{len(sites)}] {s.name}: {result} {detail}", file=sys.stderr, flush=True)
+    print(table(rows))
+    survived = [s for s, r, _ in rows if r == "survived"]
+    unexplained = [s.name for s in survived if not s.why]
+    errors = [s.name for s, r, _ in rows if r == "error"]
+    print(f"\n{len(rows)} sites: {len(rows) - len(survived) - len(errors)} killed, "
+          f"{len(survived)} survived ({len(unexplained)} unexplained), {len(errors)} errors; "
+          f"{time.monotonic() - start:.0f} s")
+    return 1 if unexplained or errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
