@@ -8,7 +8,6 @@ every mode runs from `avrid ppo`, generating while it trains."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.reshard import StaleWeightsError
 from avrid.workers import WorkerError
+from tests.helpers import child_env
 from tests.pipeline_workers import (
     CorruptingRollout,
     DyingRollout,
@@ -355,7 +355,7 @@ def test_a_failing_rollout_worker_in_process_is_named_too() -> None:
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_the_command_runs_every_mode(mode: str, tmp_path: Path) -> None:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-m", "avrid.cli", "ppo", "--backend", "inprocess", "--steps", "3",
          "--out", str(tmp_path), "--set", f"pipeline.mode={mode}",

@@ -48,7 +48,10 @@ def two_nodes(no_ray: None) -> Iterator[Cluster]:
     """A head node and a second node of NODE_CPUS each; every process it started is gone
     after the test (checked)."""
     before = _ray_processes()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
+    # Workers at nice 0, as `start_ray` starts them: at Ray's default 15 they crawl on a
+    # machine that is busy with anything else.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": NODE_CPUS, "_system_config": {"worker_niceness": 0}})
     try:
         cluster.add_node(num_cpus=NODE_CPUS)
         cluster.wait_for_nodes()
