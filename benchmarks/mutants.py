@@ -11,7 +11,7 @@ the copy, and reports whether they caught it ("killed", and by which test) or no
 matter, which the site's `why` explains; the table prints both, and the script exits 1 while
 any survivor is unexplained.
 
-    python benchmarks/mutants.py                 # every site (about 15 minutes here)
+    python benchmarks/mutants.py                 # every site (about 20 minutes here)
     python benchmarks/mutants.py --list          # the sites, without running anything
     python benchmarks/mutants.py --only kl_loss_coef,is_weights
 
@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # The tests each kind of site needs (fast, in-process, no Ray).
-MATH = ("tests/test_ppo_math.py",)
+MATH = ("tests/test_ppo_math.py", "tests/test_ppo_math_limits.py")
 OFF = ("tests/test_off_policy.py",)
 ROLE = ("tests/test_role_formulas.py",)
 OFF_UPDATE = ("tests/test_off_policy_update.py",)
@@ -72,7 +73,7 @@ class Site:
 
     def mutation(self) -> str:
         """What the change is, for the table."""
-        return "delete line" if self.replace is None else f"-> `{self.replace.strip()}`"
+        return "delete line" if self.replace is None else f"-> `{' '.join(self.replace.split())}`"
 
     def apply(self, text: str) -> str:
         """`text` (the file's source) with the change made; the anchor must be found once."""
@@ -166,6 +167,10 @@ SITES: tuple[Site, ...] = (
          "ratio.clamp(1.0 - clip_low, 1.0 + clip_low)", MATH + (LOSSES,)),
     site("pg_dual_only_negative", LOSSES, "dual_flags = (adv < 0) & (per_token > cap)",
          "dual_flags = per_token > cap", MATH + (LOSSES,)),
+    site("pg_clipfrac_strict", LOSSES, "clip_flags = clipped > unclipped\n    if dual_clip",
+         "clip_flags = clipped >= unclipped\n    if dual_clip", MATH + (LOSSES,)),
+    site("k3_inner_clamp", LOSSES, "neg = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)",
+         "neg = -d", MATH + (LOSSES,)),
     site("pg_targets_detached", LOSSES, "old, adv = old.detach(), adv.detach()",
          "old, adv = old, adv", MATH + OFF),
     site("pg_log_ratio_clamp", LOSSES,
@@ -196,6 +201,7 @@ SITES: tuple[Site, ...] = (
          MATH + (ADV,)),
     site("whiten_bessel", ADV, "var = torch.where(m, (x - mean) ** 2, 0.0).sum() / (n - 1)",
          "var = torch.where(m, (x - mean) ** 2, 0.0).sum() / n", MATH + (ADV,)),
+    site("whiten_eps", ADV, "torch.rsqrt(var + eps)", "torch.rsqrt(var)", MATH + (ADV,)),
     site("whiten_keep_mean", ADV, "out = out + mean", "out = out", MATH + (ADV,)),
     # ---- the off-policy weights (algo/off_policy.py) ----
     site("tis_cap", OFF_POLICY, "weights = raw.clamp(max=cap)", "weights = raw",
@@ -204,6 +210,8 @@ SITES: tuple[Site, ...] = (
          "weights = raw.clamp(max=cap)", OFF + (OFF_POLICY,)),
     site("is_ratio_direction", OFF_POLICY, "log_ratio = (old - rollout).clamp(",
          "log_ratio = (rollout - old).clamp(", OFF + (OFF_POLICY,)),
+    site("capped_strict", OFF_POLICY, "capped = (raw > cap) & m", "capped = (raw >= cap) & m",
+         OFF + (OFF_POLICY,)),
     site("none_is_one", OFF_POLICY, "weights = m.float()", "weights = raw", OFF),
     site("is_detached", OFF_POLICY, "return torch.where(mask, t.detach().float(), 0.0)",
          "return torch.where(mask, t.float(), 0.0)", OFF),
@@ -226,6 +234,11 @@ SITES: tuple[Site, ...] = (
          'kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind)',
          'kl = kl_estimate(padded(batch, "ref_logp"), padded(batch, "old_logp"), a.kl_kind)',
          ROLE),
+    site("kl_reward_mask", TRAINER, 'padded(batch, "ref_logp"), a.kl_kind) * mask',
+         'padded(batch, "ref_logp"), a.kl_kind)', ROLE + TRUNC,
+         why="equivalent: `padded` fills both log-prob columns with 0 on padding, so d = 0 "
+             "there and k1, k2 and k3 are all exactly 0 (what `* mask` would give); "
+             "`kl_penalized_rewards` masks again. Defence in depth, not a formula."),
     site("kl_reward_coef", TRAINER, "kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)",
          "kl_penalized_rewards(scores, kl, mask, kl_coef=0.0)", ROLE),
     site("gae_args", TRAINER, "gamma=a.gamma, lam=a.lam)", "gamma=a.lam, lam=a.gamma)", ROLE),
@@ -344,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in sites:
             print(f"{s.name:28} {s.file:32} {s.mutation()}\n{'':28} tests: {' '.join(s.tests)}")
         return 0
+    # SIGTERM unwinds like Ctrl-C: subprocess.run kills the running pytest and the temporary
+    # copy is removed (the default action would leave both behind).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     start = time.monotonic()
     rows: list[tuple[Site, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="avrid-mutants-") as tmp:

@@ -1,6 +1,6 @@
 """The mutation check's list of sites still points at the code (`benchmarks/mutants.py`).
 
-The script itself takes a quarter of an hour and is run by hand; this only checks, on every
+The script itself takes about twenty minutes and is run by hand; this only checks, on every
 test run, that each site's anchor is found exactly once in its file (so a refactor that moves
 a line fails here, naming the site, rather than leaving a site that mutates nothing), that
 the list is as wide as issue 26 asks, and that a site whose anchor moved is refused. It runs
