@@ -1,11 +1,12 @@
 """Chapter 5 — the formulas applied inside the roles, checked where they train.
 
 `test_ppo_math.py` pins each formula as a pure function; this file pins that the roles apply
-them, and apply them right: the real `PolicyWorker.update`, `CriticWorker.update` and
-`trainer.compute_advantages` run on a hand-made batch, and the loss they report, the gradient
-they would step with and the advantages they write must equal the objective written out
-again here, token by token, with nothing from avrid in between (no `policy_loss`, no
-`model_inputs`, no `token_weights`: the model is called row by row on its own sequence).
+them, and apply them right: the real `PolicyWorker.update` and `.compute_logprobs`,
+`CriticWorker.update` and `trainer.compute_advantages` run on a hand-made batch, and the loss
+they report, the gradient they would step with, the log-probs and advantages they write must
+equal the objective written out again here, token by token, with nothing from avrid in
+between (no `policy_loss`, no `model_inputs`, no `token_weights`: the model is called row by
+row on its own sequence).
 
 The batch is designed so that every branch is taken: tokens clipped above and below,
 tokens the dual clip caps, tokens inside the range; a KL and an entropy term big enough to
