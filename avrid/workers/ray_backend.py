@@ -6,9 +6,8 @@
 2. reserves one placement group per pool and waits a bounded time for it (a pool that fits in
    total but not per node — say STRICT_PACK over two half-full nodes — fails here, with what
    was asked and what is free, instead of waiting forever);
-3. per role, asks rank 0's bundle for the torch.distributed rendezvous (its node IP and a free
-   port), then starts one actor *of the worker class itself* per rank in its bundle
-   (fractional GPU shares for colocated roles), each built with its identity.
+3. per role, asks rank 0's bundle for the torch.distributed rendezvous (its node IP, a free
+   port), then starts one actor *of the worker class itself* per rank in its bundle.
 
 A `Worker`'s calls go to its `_wire_call`, arguments packed by `call_wire` (or to `_plain_call`
 when Ray must pickle them: a Ray handle, code from ``__main__``); the reply comes back packed.
@@ -63,11 +62,10 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
     A local Ray gets `num_cpus` (default max(8, cores)): CPUs are logical scheduling slots in
     Ray, so a laptop can host the course's 4-8 single-CPU workers. `num_gpus` > 0 on a machine
     without GPUs makes *pretend* GPUs: Ray only does the bookkeeping, which is enough to watch
-    fractional shares being placed. Its workers run at normal priority (Ray's default is
-    nice 15, which starves them beside any other busy program). A cluster brings its own
-    resources and Ray refuses both there: they are an error next to an explicit `address`, and
-    are ignored when the address comes from ``RAY_ADDRESS`` (the caller sized a local Ray; the
-    user chose the cluster).
+    fractional shares being placed. Its workers run at nice 0, not Ray's 15. A cluster brings
+    its own resources and Ray refuses both there: they are an error next to an explicit
+    `address`, and are ignored when the address comes from ``RAY_ADDRESS`` (the caller sized a
+    local Ray; the user chose the cluster).
 
     Raises:
         ConnectionError: nothing answers at the cluster's address within `connect_timeout_s`
@@ -86,11 +84,8 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
     target = address if address is not None else (os.environ.get("RAY_ADDRESS") or None)
     if target is None or target == "local":
         # "local" explicitly: with None, Ray would join the cluster `ray start` left behind.
-        # worker_niceness=0: Ray starts every worker process at nice 15, below the raylet's
-        # priority. On a machine that also runs other work (a laptop, a shared CI runner) a
-        # nice-15 process gets about 1/30 of a core beside one busy nice-0 process, so the
-        # workers, which do all of avrid's computing, crawled: a 14 s test took over 400 s
-        # beside two busy loops. At 0 they share the cores fairly, as the driver does.
+        # Ray's default worker_niceness is 15: beside any busy nice-0 program a worker then
+        # gets ~1/30 of a core (a 14 s test took 400 s beside two busy loops). 0: a fair share.
         ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1),
                  num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _system_config={"worker_niceness": 0})
@@ -106,10 +101,8 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
 
 
 def _no_colour_reset_at_exit() -> None:
-    """Undo a side effect of `ray.init`: it imports Ray's CLI logger, which calls
-    ``colorama.init()``, which registers an exit hook that writes the escape code ESC[0m
-    ("reset colours") to a terminal as the program ends. Nothing here colours the terminal,
-    so nothing needs resetting, and that stray code would end every run's output."""
+    """Undo a side effect of `ray.init`: its CLI logger's ``colorama.init()`` registers an
+    exit hook writing ESC[0m ("reset colours"), a stray code at the end of every run."""
     colorama = sys.modules.get("colorama.initialise")
     if colorama is not None:
         atexit.unregister(colorama.reset_all)
