@@ -11,7 +11,7 @@ the copy, and reports whether they caught it ("killed", and by which test) or no
 matter, which the site's `why` explains; the table prints both, and the script exits 1 while
 any survivor is unexplained.
 
-    python benchmarks/mutants.py                 # every site (about 20 minutes here)
+    python benchmarks/mutants.py                 # every site (12 minutes here: 704 s)
     python benchmarks/mutants.py --list          # the sites, without running anything
     python benchmarks/mutants.py --only kl_loss_coef,is_weights
 
