@@ -273,6 +273,26 @@ class Batch:
             packed=MappingProxyType({k: v.slice(start, stop) for k, v in self.packed.items()}),
             scalars=MappingProxyType({k: v[start:stop] for k, v in self.scalars.items()}))
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same samples with every tensor on `device` (a worker moves its micro-batch to
+        its model's device). The batch itself when all its tensors are there already, so on
+        the CPU this costs nothing."""
+        device = torch.device(device)
+        tensors = [self.sample_ids, self.prompt_lens, self.response_lens, *self.scalars.values(),
+                   *(t for col in self.packed.values() for t in (col.values, col.offsets))]
+        if all(t.device == device for t in tensors):
+            return self
+
+        def moved(col: Packed) -> Packed:
+            return _unchecked(Packed, values=col.values.to(device),
+                              offsets=col.offsets.to(device))
+
+        return _unchecked(
+            Batch, sample_ids=self.sample_ids.to(device),
+            prompt_lens=self.prompt_lens.to(device), response_lens=self.response_lens.to(device),
+            packed=MappingProxyType({k: moved(v) for k, v in self.packed.items()}),
+            scalars=MappingProxyType({k: v.to(device) for k, v in self.scalars.items()}))
+
     @staticmethod
     def concat(parts: Sequence[Batch]) -> Batch:
         """All samples of `parts`, in order; the parts must have the same columns."""

@@ -17,8 +17,14 @@ On a non-collect rank (a tensor-parallel replica with tp != 0) `build` drops the
 keeps spans and metrics: its collect peer returns the same rows. Besides the spans the worker
 times, `build` adds two of its own: ``unpack`` (from the builder's creation, when the method
 has its shard, to the first span) and ``pack`` (from the last span to the result built), the
-worker's side of the call's orchestration cost (`result.HANDLING_SPANS`). This file runs
-inside workers; it does not merge (`merge.py`) or draw (`timeline.py`).
+worker's side of the call's orchestration cost (`result.HANDLING_SPANS`).
+
+A result leaves its worker as CPU tensors only: the builder keeps a CPU copy of every tensor
+it is given (`add`, `add_padded`, `metric`; a tensor already on the CPU is kept as it is, at
+no cost), and `build` refuses a result that would hold any other. A worker may compute on a
+GPU and hand its outputs over as they are; a CUDA tensor sent to the driver would otherwise be
+unpickled onto the driver's own GPU. This file runs inside workers; it does not merge
+(`merge.py`) or draw (`timeline.py`).
 """
 
 from __future__ import annotations
@@ -86,14 +92,16 @@ class ResultBuilder:
             packed: Mapping[str, Sequence[torch.Tensor] | Packed] | None = None,
             scalars: Mapping[str, torch.Tensor] | None = None) -> None:
         """Outputs of some samples: per-token columns as rows (or `Packed`), per-sample
-        columns as (n, ...) tensors, all in the order of `sample_ids`."""
-        ids = torch.as_tensor(sample_ids, dtype=torch.int64).reshape(-1)
+        columns as (n, ...) tensors, all in the order of `sample_ids`; on any device (the
+        result keeps CPU copies)."""
+        ids = torch.as_tensor(sample_ids, dtype=torch.int64).cpu().reshape(-1)
         pos = self._batch.positions_of(ids)  # unknown ids fail here, naming them
-        columns = {k: v if isinstance(v, Packed) else Packed.from_rows(list(v))
+        columns = {k: _on_cpu(v if isinstance(v, Packed) else Packed.from_rows(list(v)))
                    for k, v in (packed or {}).items()}
         self._parts.append(Batch(sample_ids=ids, prompt_lens=self._batch.prompt_lens[pos],
                                  response_lens=self._batch.response_lens[pos],
-                                 packed=columns, scalars=dict(scalars or {})))
+                                 packed=columns,
+                                 scalars={k: v.cpu() for k, v in (scalars or {}).items()}))
 
     def add_padded(self, sample_ids: Sequence[int] | torch.Tensor, lengths: torch.Tensor, *,
                    padded: Mapping[str, torch.Tensor],
@@ -102,6 +110,7 @@ class ResultBuilder:
         `lengths[i]` entries, the padding is dropped, so the result is the packed one."""
         if not padded:
             raise ValueError("add_padded needs at least one padded column (name -> tensor)")
+        lengths, padded = lengths.cpu(), {k: v.cpu() for k, v in padded.items()}
         keep = torch.arange(next(iter(padded.values())).shape[1]) < lengths[:, None]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
@@ -114,7 +123,9 @@ class ResultBuilder:
         per-sample values; "sum", "min" and "max" reduce whatever is passed. Repeated calls
         (one per micro-batch) reduce together exactly. Pass per-token or per-sample values,
         never a micro-batch's own aggregate, so the result cannot depend on how the shard was
-        cut."""
+        cut. Tensors may be on any device (the reduction runs on a CPU copy)."""
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu()
         v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
         if reduction in ("min", "max"):
             total = float(v.min() if reduction == "min" else v.max()) if len(v) else 0.0
@@ -141,6 +152,7 @@ class ResultBuilder:
                            else Batch.concat(self._parts))
                 if not torch.equal(outputs.sample_ids, self._batch.sample_ids):
                     outputs = outputs.select(self._batch.sample_ids)  # the order sent
+            _check_on_cpu(self.identity, outputs)
         # Around the compute spans, the call's handling on this side: `unpack` before the
         # first, `pack` after the last (all of it is `unpack` in a call that timed nothing).
         done = time.time()
@@ -152,6 +164,26 @@ class ResultBuilder:
                             sample_ids=self._batch.sample_ids, outputs=outputs,
                             metrics=tuple(self._metrics.values()),
                             spans=(*self._spans, *handling))
+
+
+def _on_cpu(col: Packed) -> Packed:
+    """`col` with its tensors on the CPU (`col` itself when they are there already)."""
+    if col.values.device.type == "cpu" and col.offsets.device.type == "cpu":
+        return col
+    return Packed(values=col.values.cpu(), offsets=col.offsets.cpu())
+
+
+def _check_on_cpu(identity: WorkerIdentity, outputs: Batch) -> None:
+    """A result crosses to the driver as CPU tensors only (see the module docstring)."""
+    named = {"sample_ids": outputs.sample_ids, "prompt_lens": outputs.prompt_lens,
+             "response_lens": outputs.response_lens, **outputs.scalars,
+             **{k: col.values for k, col in outputs.packed.items()},
+             **{f"{k} offsets": col.offsets for k, col in outputs.packed.items()}}
+    elsewhere = {k: str(t.device) for k, t in named.items() if t.device.type != "cpu"}
+    if elsewhere:
+        raise ValueError(f"{identity.name}: a result must hold CPU tensors only (the driver "
+                         f"unpickles a GPU tensor onto its own GPU); these are not: "
+                         f"{elsewhere}")
 
 
 def _check_exactly_once(identity: WorkerIdentity, sent: torch.Tensor,

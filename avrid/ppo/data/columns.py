@@ -9,6 +9,9 @@ Dispatch moves packed rows (chapter 2); a transformers model wants a right-padde
   ``P + j - 1``. Position ids start at 0 at each row's first token, like the rollout engine's.
 - `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
 
+Every tensor made here is made on the batch's own device: a worker moves its micro-batch to
+its model's device (`Batch.to`), and its inputs, masks and padded columns are then there too.
+
 The loss weights that make data-parallel training exact are the RL math's
 (`losses.token_weights`); `forward.train_shard` applies them.
 """
@@ -54,13 +57,14 @@ def model_inputs(batch: Batch, pad_id: int) -> ModelInputs:
     tokens = batch.packed["tokens"]
     total = tokens.lengths
     n, width = len(batch), int(total.max()) if len(batch) else 0
-    cols = torch.arange(width)
+    device = total.device
+    cols = torch.arange(width, device=device)
     attention = (cols < total[:, None]).to(torch.int64)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.int64, device=device)
     input_ids[attention.bool()] = tokens.values.to(torch.int64)
     position_ids = cols.expand(n, width) * attention
     resp_mask = response_mask(batch)
-    steps = torch.arange(resp_mask.shape[1])
+    steps = torch.arange(resp_mask.shape[1], device=device)
     logit_index = (batch.prompt_lens[:, None] - 1 + steps) * resp_mask.long()
     response_ids = torch.where(resp_mask.bool(), input_ids.gather(1, logit_index + 1), pad_id)
     return ModelInputs(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
@@ -71,7 +75,8 @@ def model_inputs(batch: Batch, pad_id: int) -> ModelInputs:
 def response_mask(batch: Batch) -> torch.Tensor:
     """(n, T) float32: 1 where row i has its j-th response token (T = longest response)."""
     width = int(batch.response_lens.max()) if len(batch) else 0
-    return (torch.arange(width) < batch.response_lens[:, None]).float()
+    lens = batch.response_lens
+    return (torch.arange(width, device=lens.device) < lens[:, None]).float()
 
 
 def padded(batch: Batch, column: str, fill: float = 0.0) -> torch.Tensor:
@@ -80,7 +85,7 @@ def padded(batch: Batch, column: str, fill: float = 0.0) -> torch.Tensor:
     if not torch.equal(col.lengths, batch.response_lens):
         raise ValueError(f"column {column!r} must hold one value per response token")
     mask = response_mask(batch).bool()
-    out = torch.full(mask.shape, fill, dtype=torch.float32)
+    out = torch.full(mask.shape, fill, dtype=torch.float32, device=mask.device)
     out[mask] = col.values.float()
     return out
 
@@ -88,7 +93,7 @@ def padded(batch: Batch, column: str, fill: float = 0.0) -> torch.Tensor:
 def packed(values: torch.Tensor, mask: torch.Tensor) -> Packed:
     """The inverse of `padded`: keep each row's masked (valid) entries, packed."""
     keep = mask.bool()
-    offsets = torch.zeros(len(values) + 1, dtype=torch.int64)
+    offsets = torch.zeros(len(values) + 1, dtype=torch.int64, device=values.device)
     torch.cumsum(keep.sum(1), 0, out=offsets[1:])
     return Packed(values=values[keep], offsets=offsets)
 
@@ -111,10 +116,12 @@ def _joined_rows(first: Packed, second: Packed) -> Packed:
     """Row i = first's row i, then second's row i: one gather, not a cat per sample (this
     runs on the driver every step, over every sample)."""
     a, b = first.lengths, second.lengths
-    offsets = torch.zeros(len(a) + 1, dtype=torch.int64)
+    device = a.device
+    offsets = torch.zeros(len(a) + 1, dtype=torch.int64, device=device)
     torch.cumsum(a + b, 0, out=offsets[1:])
-    row = torch.repeat_interleave(torch.arange(len(a)), a + b)  # the row of each element
-    t = torch.arange(int(offsets[-1])) - offsets[:-1][row]  # its place in that row
+    # the row of each element, then its place in that row
+    row = torch.repeat_interleave(torch.arange(len(a), device=device), a + b)
+    t = torch.arange(int(offsets[-1]), device=device) - offsets[:-1][row]
     # Element t of row i comes from first's row i while t < a[i], else from second's, which
     # sits after all of first's values in `both`.
     src = torch.where(t < a[row], first.offsets[:-1][row] + t,
@@ -155,4 +162,5 @@ def sample_loss_mask(batch: Batch) -> torch.Tensor:
     left out — the batch's "loss_mask" scalar column (`trainer.compute_advantages` writes it,
     e.g. 0 for truncated responses under algo.truncation=mask); all ones without it."""
     keep = batch.scalars.get("loss_mask")
-    return torch.ones(len(batch)) if keep is None else keep.float()
+    return (torch.ones(len(batch), device=batch.sample_ids.device) if keep is None
+            else keep.float())

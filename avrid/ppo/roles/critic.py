@@ -21,7 +21,7 @@ from avrid.dispatch import Shard
 from avrid.ppo.algo.losses import value_loss
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import build_tiny_critic, load_critic, tiny_spec
-from avrid.ppo.roles.forward import response_values, train_shard
+from avrid.ppo.roles.forward import model_device, response_values, train_shard
 from avrid.ppo.roles.trained import TrainedWorker
 from avrid.ppo.setup.config import PPOConfig
 from avrid.results import ResultBuilder, WorkerResult
@@ -56,10 +56,11 @@ class CriticWorker(TrainedWorker):
     def compute_values(self, shard: Shard) -> WorkerResult:
         """V(s_t) for every response token: packed "values"."""
         builder = ResultBuilder.for_shard(self.identity, shard)
+        device = model_device(self.model)  # the builder keeps CPU copies of what it is given
         with torch.no_grad():
             for mb in shard.micro_batches():
                 with builder.span("values"):
-                    x = model_inputs(mb, self.pad_id)
+                    x = model_inputs(mb.to(device), self.pad_id)
                     values = response_values(self.model, x)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={"values": values})
                 builder.metric("critic/values", values[x.response_mask.bool()], "mean_tokens")

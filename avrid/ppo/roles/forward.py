@@ -11,6 +11,12 @@ What a policy or critic worker does with a shard, as functions of (model, micro-
   the global gradient norm, step. Gradient accumulation over micro-batches and the FSDP
   reduce-scatter over ranks then give exactly the mini-batch's loss gradient.
 
+Device discipline: a micro-batch arrives on the CPU (that is what travels between
+processes); the model may sit on a GPU. Each role method moves the micro-batch it reads to
+`model_device(model)` once (`Batch.to`, free when it is there already), computes there, and
+hands its outputs to the `ResultBuilder`, which keeps CPU copies: a result leaving a worker
+holds CPU tensors only.
+
 The losses themselves are in `losses.py`; the workers that call this are `roles/policy.py`
 and `roles/critic.py`. Nothing here talks to Ray or knows which rank it is.
 """
@@ -27,6 +33,13 @@ from avrid.ppo.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from avrid.ppo.algo.losses import token_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, sample_loss_mask
 from avrid.results import ResultBuilder
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: the device of its parameters. Under FSDP2 they are DTensors,
+    whose `.device` is this rank's local device; the frozen reference and a dp = 1 actor
+    or critic are plain modules."""
+    return next(model.parameters()).device
 
 
 def forward(model: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
@@ -67,7 +80,8 @@ def response_values(critic: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
 
 
 LossFn = Callable[[ModelInputs, Batch, torch.Tensor, ResultBuilder], torch.Tensor]
-"""(inputs, micro-batch, per-token weights, builder) -> the micro-batch's weighted loss."""
+"""(inputs, micro-batch, per-token weights, builder) -> the micro-batch's weighted loss; the
+inputs, the micro-batch and the weights are on the model's device."""
 
 
 def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: Shard,
@@ -75,17 +89,20 @@ def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
                 totals: Totals, world_size: int, grad_clip: float, prefix: str) -> None:
     """One optimizer step on this rank's shard of a mini-batch (see the module docstring)."""
     optimizer.zero_grad(set_to_none=True)
+    device = model_device(model)
     for mb in shard.micro_batches():
         with builder.span("forward_backward"):
-            x = model_inputs(mb, pad_id)
+            # The loss reads the micro-batch's columns (`padded`) where the model is.
+            on_device = mb.to(device)
+            x = model_inputs(on_device, pad_id)
             # A left-out sample's tokens weigh 0 (and `Totals` did not count them).
-            mask = x.response_mask * sample_loss_mask(mb)[:, None]
+            mask = x.response_mask * sample_loss_mask(on_device)[:, None]
             # The WHOLE mini-batch's counts (`losses.token_weights`), so the sum over
             # micro-batches and ranks is the mini-batch's loss. FSDP averages gradients over
             # ranks: times world_size turns that average back into the sum.
             w = token_weights(mask, agg, tokens=totals.tokens, seqs=totals.seqs,
                               norm_len=totals.norm_len) * world_size
-            loss = loss_fn(x, mb, w, builder)
+            loss = loss_fn(x, on_device, w, builder)
             loss.backward()
         # An update returns no columns, but the canonical result still accounts for every
         # sample it was sent (chapter 3), so the driver knows none was dropped.

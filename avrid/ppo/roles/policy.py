@@ -34,7 +34,7 @@ from avrid.ppo.algo.off_policy import importance_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.roles import fsdp
-from avrid.ppo.roles.forward import response_logprobs, train_shard
+from avrid.ppo.roles.forward import model_device, response_logprobs, train_shard
 from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
 from avrid.ppo.roles.weight_sync import WeightSync
@@ -144,10 +144,11 @@ class PolicyWorker(TrainedWorker):
             raise RuntimeError("no reference model: it is built only when algo.kl_coef > 0")
         name = "ref_logp" if reference else "old_logp"
         builder = ResultBuilder.for_shard(self.identity, shard)
+        device = model_device(model)  # the builder keeps CPU copies of what it is given
         with torch.no_grad():
             for mb in shard.micro_batches():
                 with builder.span(name):
-                    x = model_inputs(mb, self.pad_id)
+                    x = model_inputs(mb.to(device), self.pad_id)
                     logp, ent = response_logprobs(model, x, self.config.rollout.temperature,
                                                   with_entropy=not reference)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
