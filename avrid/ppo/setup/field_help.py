@@ -1,6 +1,7 @@
 """Chapter 5 — every config field explained: what ``avrid ppo --help-config`` prints.
 
-Each field in `config.py` is documented by the string literal on the line below it. Python
+Each field of a section (`config.py`, and the sections it imports: `rollout.py`,
+`pipeline.py`) is documented by the string literal on the line below it. Python
 keeps a class's docstring at runtime but throws these attribute docstrings away, so
 `field_docs` reads them back from the module's source with `ast`: for every annotated
 assignment (``steps: int = 150``) directly followed by a string, that string.

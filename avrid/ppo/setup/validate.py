@@ -10,6 +10,7 @@ rule, each error naming the field to change and what is allowed:
                colocated critic fits in the policy's bundles
     pipeline   an in-process run has one rollout rank
     hardware   CUDA runs on ray; bf16 trains on ray; vLLM on CPU needs a head dim it supports
+    rollout    one GPU per vLLM engine (tensor_parallel_size=1)
     sizes      a whole sequence (prompt cap + response budget) fits in one micro-batch
     task       a character tokenizer needs the task's alphabet
 
@@ -44,6 +45,7 @@ def validate(config: PPOConfig, task: Task | None = None) -> None:
     _algo(config)
     _placement(config)
     _hardware(config)
+    _rollout(config)
     _pipeline(config)
     response = config.rollout.max_response_tokens or (task and task.max_response_tokens)
     if response:
@@ -103,6 +105,16 @@ def _hardware(config: PPOConfig) -> None:
          or head_dim in VLLM_CPU_HEAD_DIMS, "model.num_heads",
          f"the vllm engine on CPU needs a head dim (hidden_size / num_heads) in "
          f"{VLLM_CPU_HEAD_DIMS}, got {head_dim}")
+
+
+def _rollout(config: PPOConfig) -> None:
+    tp = config.rollout.tensor_parallel_size
+    # A rank's engine lives in a one-GPU worker: vLLM with TP > 1 there would start its own
+    # workers (Ray executor) and wait for GPUs that the placement never gave it.
+    need(tp == 1, "rollout.tensor_parallel_size",
+         f"only 1 is supported, got {tp}: a vLLM engine over several GPUs needs its "
+         f"tensor-parallel groups cut from the trainer's torch.distributed world "
+         f"(distributed_executor_backend='external_launcher'), which avrid does not do yet")
 
 
 def _fits_micro_batch(config: PPOConfig, response_tokens: int) -> None:
