@@ -21,9 +21,10 @@ worker's side of the call's orchestration cost (`result.HANDLING_SPANS`).
 
 A result leaves its worker as CPU tensors only: the builder keeps a CPU copy of every tensor
 it is given (`add`, `add_padded`, `metric`; a tensor already on the CPU is kept as it is, at
-no cost), and `build` refuses a result that would hold any other. A worker may compute on a
-GPU and hand its outputs over as they are; a CUDA tensor sent to the driver would otherwise be
-unpickled onto the driver's own GPU. This file runs inside workers; it does not merge
+no cost), and its other tensors (ids, lengths) come from the shard it was sent, which crossed
+as CPU tensors. So a worker may compute on a GPU and hand its outputs over as they are; a CUDA
+tensor sent to the driver would otherwise be unpickled onto the driver's own GPU
+(tests/test_device_discipline.py checks it). This file runs inside workers; it does not merge
 (`merge.py`) or draw (`timeline.py`).
 """
 
@@ -152,7 +153,6 @@ class ResultBuilder:
                            else Batch.concat(self._parts))
                 if not torch.equal(outputs.sample_ids, self._batch.sample_ids):
                     outputs = outputs.select(self._batch.sample_ids)  # the order sent
-            _check_on_cpu(self.identity, outputs)
         # Around the compute spans, the call's handling on this side: `unpack` before the
         # first, `pack` after the last (all of it is `unpack` in a call that timed nothing).
         done = time.time()
@@ -171,19 +171,6 @@ def _on_cpu(col: Packed) -> Packed:
     if col.values.device.type == "cpu" and col.offsets.device.type == "cpu":
         return col
     return Packed(values=col.values.cpu(), offsets=col.offsets.cpu())
-
-
-def _check_on_cpu(identity: WorkerIdentity, outputs: Batch) -> None:
-    """A result crosses to the driver as CPU tensors only (see the module docstring)."""
-    named = {"sample_ids": outputs.sample_ids, "prompt_lens": outputs.prompt_lens,
-             "response_lens": outputs.response_lens, **outputs.scalars,
-             **{k: col.values for k, col in outputs.packed.items()},
-             **{f"{k} offsets": col.offsets for k, col in outputs.packed.items()}}
-    elsewhere = {k: str(t.device) for k, t in named.items() if t.device.type != "cpu"}
-    if elsewhere:
-        raise ValueError(f"{identity.name}: a result must hold CPU tensors only (the driver "
-                         f"unpickles a GPU tensor onto its own GPU); these are not: "
-                         f"{elsewhere}")
 
 
 def _check_exactly_once(identity: WorkerIdentity, sent: torch.Tensor,
