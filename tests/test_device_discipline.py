@@ -222,3 +222,17 @@ def test_a_result_built_from_tensors_on_another_device_holds_plain_cpu_tensors()
     assert result.outputs.packed["logp"].values.tolist() == [0.0, 1.0, 2.0, 4.0, 1, 1, 1, 1, 1, 1]
     assert result.outputs.scalars["score"].tolist() == [0.0, 0.0, 1.0, 1.0]
     assert [(m.total, m.weight) for m in result.metrics] == [(28.0, 8.0)]
+
+
+def test_moving_a_batch_is_free_where_it_already_is_and_exact_elsewhere() -> None:
+    # The role methods call `Batch.to(model's device)` for every micro-batch: on the CPU it
+    # must be the batch itself (no copy), elsewhere every tensor moves and comes back intact.
+    batch = make_batch()
+    assert batch.to("cpu") is batch and batch.to(torch.device("cpu")) is batch
+    with FakeDevice():
+        moved = batch.to(FAKE)
+        assert moved.to(FAKE) is moved
+        assert [t.device for t in (moved.sample_ids, moved.packed["tokens"].offsets,
+                                   moved.scalars["loss_mask"])] == [FAKE] * 3
+        back = moved.to("cpu")
+    assert back.equals(batch) and is_plain_cpu(back.packed["returns"].values)
