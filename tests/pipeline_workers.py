@@ -1,6 +1,6 @@
-"""Rollout and learner workers that fail on purpose, for chapter 6's failure tests (a module
-of their own so that Ray workers can import them by name, and `tests.helpers` stays
-torch-free)."""
+"""Rollout and learner workers that fail on purpose or report their push group, for chapter
+6's failure and push tests (a module of their own so that Ray workers can import them by
+name, and `tests.helpers` stays torch-free)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 
 from avrid.dispatch import Shard
 from avrid.pipeline.learner import LearnerWorker
+from avrid.pipeline.push_group import PushGroup
 from avrid.pipeline.rollout import RolloutWorker
+from avrid.pipeline.transfer import PushBucket
 from avrid.reshard.engines import WeightSink
 from avrid.results import ResultBuilder, WorkerResult
 
@@ -58,3 +60,46 @@ class RaisingLearner(LearnerWorker):
         if step == 1:
             raise RuntimeError("injected learner failure")
         super()._set_lr(step, builder, prefix)
+
+
+def _push_counts(group: PushGroup | None) -> tuple[int, list[int]]:
+    return PushGroup.built, [] if group is None else list(group.broadcasts)
+
+
+class CountingLearner(LearnerWorker):
+    """Reports its process's push groups and its member's broadcasts."""
+
+    def push_counts(self) -> tuple[int, list[int]]:
+        """(push groups built in this process, bytes of each broadcast this rank took part
+        in; none where it is not in the push group)."""
+        return _push_counts(self._transfer)
+
+
+class CountingRollout(RolloutWorker):
+    """Reports its process's push groups and its member's broadcasts."""
+
+    def push_counts(self) -> tuple[int, list[int]]:
+        """As `CountingLearner.push_counts`."""
+        return _push_counts(self._transfer)
+
+
+class RaisingReceiver(CountingRollout):
+    """Stops after the first bucket of its second push (the first is start-up's), on the
+    last rank: a receiver that fails mid-push. Here it raises (in-process)."""
+
+    def _receive_bucket(self, bucket: PushBucket, full: dict[str, torch.Tensor],
+                        deadline: float) -> None:
+        last = self.identity.rank == self.identity.world_size - 1
+        if last and self.version is not None and bucket.index == 1:
+            self._stop()
+        super()._receive_bucket(bucket, full, deadline)
+
+    def _stop(self) -> None:
+        raise RuntimeError("injected receiver failure")
+
+
+class ExitingReceiver(RaisingReceiver):
+    """As `RaisingReceiver`, but its process dies (Ray)."""
+
+    def _stop(self) -> None:
+        os._exit(1)

@@ -19,10 +19,13 @@ them generating the NEXT batches while the trainer learns from the current one:
                     trainer version - engine version <= K, queue has room), start
                     generating it — one `start_shards` call, collected later
 
-Nobody waits for a push: the trainer ranks post their sends and return (the learning goes
-on while the bytes travel), each rollout rank receives and loads before the generation
-queued behind it, and the driver checks the fingerprints when it next looks (`_settle_push`)
-— at the latest before it accepts a batch made with those weights.
+Nobody waits for a push: the trainer ranks gather the weights bucket by bucket and trainer
+rank 0 posts one broadcast per bucket and returns (the learning goes on while the bytes
+travel), each rollout rank receives and loads before the generation queued behind it, and
+the driver checks the fingerprints when it next looks (`_settle_push`) — at the latest
+before it accepts a batch made with those weights. A rollout rank that dies mid-push is
+reported as itself: its `receive_weights` call fails, naming it, and that is the error the
+driver raises, not the trainer's or a peer's timeout that follows from it.
 
 Every sample carries the version of the weights that made it (the rollout worker stamps it);
 the driver checks the stamp, computes each batch's staleness and refuses one above K. K = 0
@@ -319,10 +322,11 @@ class PipelinedTrainer(Trainer):
 
     def _push(self) -> None:
         """Post the trainer's weights to every rollout engine; only with no generation in
-        flight, so a push never cancels one. Nobody waits for it here: the trainer ranks post
-        their sends and go on training, the rollout ranks receive and load before the next
-        call they are given (a generation, usually launched right after), and the driver
-        checks the fingerprints later (`_settle_push`), before any batch made with them."""
+        flight, so a push never cancels one. Nobody waits for it here: the trainer ranks
+        gather, trainer rank 0 posts its broadcasts, and they go on training; the rollout
+        ranks receive and load before the next call they are given (a generation, usually
+        launched right after), and the driver checks the fingerprints later
+        (`_settle_push`), before any batch made with them."""
         if self._inflight is not None:
             raise StalenessError("a weight push was started while a generation is in flight")
         self._settle_push(wait=True)  # the previous push, long finished: check it first
@@ -346,8 +350,10 @@ class PipelinedTrainer(Trainer):
         self._pushing = None
         try:
             received = push.got.result(timeout)
-        except WorkerError:
-            if push.sent.done():  # a trainer rank that failed first is the cause: report it
+        except WorkerError as lost:
+            # A trainer rank that failed first is the cause: report it. But a rollout rank
+            # that died is the cause of whatever its peers saw afterwards: report the death.
+            if push.sent.done() and lost.reason != "died":
                 push.sent.result(timeout)
             raise
         sent = push.sent.result(timeout)
@@ -356,12 +362,12 @@ class PipelinedTrainer(Trainer):
             check_same(expected, r.checksums, where=f"rollout engine of rollout rank {r.rank} "
                                                     f"(weights version {r.version})")
         # The push as the workers saw it: from its submission to the last rank's end; the
-        # trainer's own share (posting its sends) is `time/push_trainer`.
+        # trainer's own share (gathering, posting its broadcasts) is `time/push_trainer`.
         self._spans.append(Span(name="weight_push", start=push.submitted,
                                 end=max(*(p[2] for p in sent), *(r.end for r in received))))
         self._push_trainer.append(max(p[2] - p[1] for p in sent))
-        # Each rank's side as a worker span (its own clock): the trainer ranks posting their
-        # sends, the rollout ranks receiving, loading and fingerprinting.
+        # Each rank's side as a worker span (its own clock): the trainer ranks gathering (rank
+        # 0 also posting the broadcasts), the rollout ranks receiving, loading, fingerprinting.
         self._push_ranks += [report.push_result(ident, start, end) for ident, (_, start, end)
                              in zip(self.policy.identities, sent, strict=True)]
         self._push_ranks += [report.push_result(ident, r.start, r.end)

@@ -6,13 +6,15 @@ rollout engine: its memory (a whole model, and on GPU the KV cache) goes back to
 and its weight sync is replaced by a push to the rollout pool (`transfer.py`):
 
     weight_shapes     the actor's whole-tensor shapes, from which the driver plans the push
-    transfer_address  rank 0 only: its node's IP and a free port (the group's TCP store)
-    join_transfer     join the trainer + rollout process group (every rank at once)
-    push_weights      post the sends of a snapshot of this rank's FSDP2 shards, cast to the
-                      engine's dtype, and return their partial fingerprints for the driver's
-                      check, without waiting for the rollout ranks to receive them: the
-                      sends finish while the trainer trains, and are waited for at the next
-                      push (or at close)
+    transfer_address  rank 0 only: its node's IP and a free port (the push group's TCP store)
+    join_transfer     every rank at once: rank 0 joins the push group (trainer rank 0 + the
+                      rollout ranks, `PushGroup`), the others only keep the plan
+    push_weights      every rank gathers each whole tensor, bucket by bucket, over its FSDP
+                      group, and rank 0 posts one broadcast per bucket; each rank returns its
+                      own shards' partial fingerprints for the driver's check, without
+                      waiting for the rollout ranks to receive: the broadcasts finish while
+                      the trainer trains, and rank 0 checks that they did at the next push
+                      (or at close), against the push timeout
 
 Not here: when to push (the driver) or how a rollout rank receives (`rollout.py`).
 """
@@ -23,21 +25,27 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from avrid.pipeline.transfer import Shapes, join_group, post_shards
+from avrid.pipeline.push_group import PushGroup
+from avrid.pipeline.transfer import PushBucket, Shapes, post_buckets, push_buckets
 from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.policy import PolicyWorker
-from avrid.reshard import TransferPlan
+from avrid.reshard import TransferPlan, layout_checksums
 from avrid.workers.outcome import free_port
 
 
 class LearnerWorker(PolicyWorker):
     """One data-parallel rank of the actor (+ reference), with no engine of its own."""
 
-    _transfer: dist.ProcessGroup | None = None
+    _transfer: PushGroup | None = None  # rank 0 only: its member of the push group
     _plan: TransferPlan | None = None
-    _sending: tuple[dist.Work, ...] = ()  # the last push's sends, posted, not yet waited for
-    _snapshot: dict[str, torch.Tensor] | None = None  # what they send: kept until they finish
+    _buckets: tuple[PushBucket, ...] = ()
+    # Rank 0: the last push's broadcasts, posted and not yet known to have finished, with
+    # their buffers (kept alive until then), and when they were posted.
+    _posted: tuple[tuple[dist.Work, torch.Tensor], ...] = ()
+    _posted_at = 0.0
+    _timeout_s = 0.0  # the push timeout (`join_transfer`)
 
     def _make_engine(self, model: torch.nn.Module) -> None:
         """No engine: the rollout pool generates (see the module docstring)."""
@@ -50,46 +58,67 @@ class LearnerWorker(PolicyWorker):
                 for n, p in self.model.named_parameters()}
 
     def transfer_address(self) -> tuple[str, int]:
-        """Where this rank (rank 0) hosts the transfer group's TCP store: IP and free port."""
+        """Where this rank (rank 0) hosts the push group's TCP store: IP and free port."""
         return self.identity.node or "127.0.0.1", free_port()
 
     def join_transfer(self, address: str, port: int, plan: TransferPlan,
                       timeout_s: float) -> None:
-        """Join the trainer + rollout group as process `rank` and keep the push plan."""
-        ident = self.identity
-        world = plan.source_world + plan.target_world
-        self._transfer = join_group(address, port, rank=ident.rank, world_size=world,
-                                    device=self.device, timeout_s=timeout_s)
-        self._plan = plan
+        """Keep the push plan and its buckets; rank 0 also joins the push group (as its
+        rank 0, with the R rollout ranks after it), which every member does at once."""
+        self._plan, self._timeout_s = plan, timeout_s
+        self._buckets = push_buckets(plan.target, plan.bucket_bytes)
+        if self.identity.rank == 0:
+            self._transfer = PushGroup(address, port, rank=0, world_size=1 + plan.target_world,
+                                       device=self.device, timeout_s=timeout_s)
 
     def push_weights(self) -> tuple[dict[str, int], float, float]:
-        """Post the sends of this rank's shards to every rollout rank and return; all trainer
-        and rollout ranks at once. Returns (partial fingerprints, start, end) — the times for
-        the timeline."""
-        if self._transfer is None or self._plan is None:
+        """Gather the actor's weights bucket by bucket and (rank 0) post one broadcast per
+        bucket to the rollout ranks, then return; every trainer and rollout rank at once.
+        Returns (this rank's partial fingerprints, start, end): the times for the timeline."""
+        if self._plan is None or (self.identity.rank == 0 and self._transfer is None):
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"push_weights()")
         start = time.time()
-        self.finish_push()  # the previous push's sends: long delivered by now
-        # A copy even where the dtypes agree: the sends read it after this call returns,
-        # while the optimizer overwrites the parameters themselves.
-        self._snapshot = {n: t.to(self.dtype, copy=True)
-                          for n, t in fsdp.local_shards(self.model).items()}
-        works, sums = post_shards(self._plan, self.identity.rank, self._snapshot,
-                                  self._transfer)
-        self._sending = tuple(works)
+        self.finish_push()  # the previous push's broadcasts: long delivered by now
+        # The fingerprints of this rank's own shards, cast as the engine holds them: added
+        # up over the ranks (on the driver) they are the whole tensors' — whatever the
+        # gather, the buckets and the broadcast did, the engine must end up with those.
+        shards = {n: t.to(self.dtype) for n, t in fsdp.local_shards(self.model).items()}
+        sums = layout_checksums(self._plan.source, self.identity.rank, shards)
+        del shards
+        params = dict(self.model.named_parameters())  # resharded by local_shards above
+
+        def whole(name: str) -> torch.Tensor:
+            """Tensor `name` whole, in the engine's dtype: FSDP2's all-gather of the cast
+            shards (every trainer rank calls it, in the buckets' order)."""
+            cast = params[name].detach().to(self.dtype)
+            return cast.full_tensor() if isinstance(cast, DTensor) else cast
+
+        self._posted = tuple(post_buckets(self._buckets, whole, self._transfer, self.device))
+        self._posted_at = time.monotonic()
         return sums, start, time.time()
 
     def finish_push(self) -> None:
-        """Wait for the last push's sends (a failed send raises here) and free the snapshot."""
-        sending, self._sending = self._sending, ()
-        for work in sending:
-            work.wait()
-        self._snapshot = None
+        """Rank 0: wait until the last push's broadcasts have really finished — polled
+        against the push timeout from when they were posted (`PushGroup.wait`), so a rollout
+        rank that died raises `PushTimeout` here instead of hanging or passing as "done" —
+        then free their buffers. Other ranks posted nothing."""
+        posted, self._posted = self._posted, ()
+        if not posted or self._transfer is None:
+            return
+        try:
+            self._transfer.wait([work for work, _ in posted],
+                                deadline=self._posted_at + self._timeout_s,
+                                what=f"{self.identity.name}: the last weight push's "
+                                     f"{len(posted)} bucket broadcasts")
+        except BaseException:
+            self._transfer.leave()  # no rollout rank waits on a group that failed
+            self._transfer = None
+            raise
 
     def close(self) -> None:
-        """Let the last push's sends finish (the driver has checked that they arrived), then
-        chapter 5's close."""
+        """Let the last push's broadcasts finish (the driver has checked that they arrived),
+        then chapter 5's close."""
         try:
             self.finish_push()
         finally:

@@ -7,8 +7,14 @@ things, never at the same time:
     generate         one response per prompt of its shard, like the policy's hybrid engine
                      (`generation.generate_shard`: same seeds, same samples), each sample
                      stamped with the scalar "version": the weights it was generated with
-    receive_weights  take the trainer's weights (chapter 4's plan, `transfer.py`), load them
-                     into the engine and report the engine's fingerprints and new version
+    receive_weights  take the trainer's weights (one broadcast per bucket in the push group,
+                     `transfer.py`), load them into the engine and report the engine's
+                     fingerprints and new version
+
+The engine has its GPU to itself (`build_engine(..., colocated=False)`): it never sleeps, so
+nothing wakes it before a load or a generation, and the model it is built from stays on the
+CPU (the torch engine's copy is moved to the device by `build_engine`; vLLM reads only its
+config).
 
 The version is the worker's own record of what it holds, set only by `receive_weights`, so
 a batch cannot claim weights its engine never had; the driver checks the stamp against the
@@ -23,10 +29,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from avrid.dispatch import Shard
-from avrid.pipeline.transfer import engine_layout, join_group, receive_full
+from avrid.pipeline.push_group import PushGroup
+from avrid.pipeline.transfer import (
+    PushBucket,
+    allocate_whole,
+    engine_layout,
+    push_buckets,
+    receive_bucket,
+)
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
 from avrid.ppo.setup.config import PPOConfig
@@ -61,45 +73,67 @@ class RolloutWorker(Worker):
         self.max_response = max_response_tokens
         self.device = config.placement.device
         self.version: int | None = None  # no trained weights yet (None: never pushed)
-        self._transfer: dist.ProcessGroup | None = None
+        self._transfer: PushGroup | None = None
         self._plan: TransferPlan | None = None
+        self._buckets: tuple[PushBucket, ...] = ()
+        self._timeout_s = 0.0
         self._engine_dir: str | None = None
         torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
 
     def setup(self) -> None:
         """Build the engine. Its weights are the step-0 model's (torch) or random (vLLM's
         dummy load) until the first `receive_weights`, and nothing is generated before."""
+        # On the CPU: it is only read (its config) or copied into the engine, which
+        # `build_engine` puts on the device; a GPU copy would cost a model's memory for nothing.
         model = initial_policy(self.config, vocab_size=self.vocab_size, eos_id=self.eos_id,
-                               pad_id=self.pad_id).to(self.device)
+                               pad_id=self.pad_id)
         self.engine, self._engine_dir = build_engine(
             self.config, model, rank=self.identity.rank, pad_id=self.pad_id,
-            max_response=self.max_response)
+            max_response=self.max_response, colocated=False)
 
     def join_transfer(self, address: str, port: int, plan: TransferPlan,
                       timeout_s: float) -> None:
-        """Join the trainer + rollout group as process T + rank (`transfer.py`)."""
-        world = plan.source_world + plan.target_world
-        self._transfer = join_group(address, port, rank=plan.source_world + self.identity.rank,
-                                    world_size=world, device=self.device, timeout_s=timeout_s)
-        self._plan = plan
+        """Join the push group as its rank 1 + rank (trainer rank 0 is its rank 0), with
+        every other member at once, and keep the plan and its buckets (`transfer.py`)."""
+        self._transfer = PushGroup(address, port, rank=1 + self.identity.rank,
+                                   world_size=1 + plan.target_world, device=self.device,
+                                   timeout_s=timeout_s)
+        self._plan, self._timeout_s = plan, timeout_s
+        self._buckets = push_buckets(plan.target, plan.bucket_bytes)
         self._layout = engine_layout(plan)  # what the engine's fingerprints are taken under
 
     def receive_weights(self, version: int) -> Received:
-        """Receive the trainer's weights of `version`, load them and fingerprint the engine;
-        every trainer and rollout rank at once."""
+        """Receive the trainer's weights of `version`, bucket by bucket, each within the push
+        timeout of the start (a trainer or peer that stopped raises `PushTimeout` naming
+        this rank and the bucket), load them and fingerprint the engine; every trainer and
+        rollout rank at once."""
         if self._transfer is None or self._plan is None:
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"receive_weights()")
         start = time.time()
-        full = receive_full(self._plan, self.identity.rank, self._transfer, self.device)
-        self.engine.wake()
-        sink = engine_sink(self.engine, self.config)
+        deadline = time.monotonic() + self._timeout_s
+        full = allocate_whole(self._plan, self.device)
+        try:
+            for bucket in self._buckets:
+                self._receive_bucket(bucket, full, deadline)
+        except BaseException:
+            # Leave the group: the trainer's and the other receivers' pending broadcasts fail
+            # now rather than at the timeout, and this rank's error is the first one seen.
+            self._transfer.leave()
+            self._transfer = None
+            raise
+        sink = engine_sink(self.engine)
         self._load(sink, full)
         sums = sink.checksums(self._layout, 0)  # what the engine now holds
-        self.engine.sleep()
         self.version = version
         return Received(rank=self.identity.rank, version=version, checksums=sums,
                         start=start, end=time.time())
+
+    def _receive_bucket(self, bucket: PushBucket, full: dict[str, torch.Tensor],
+                        deadline: float) -> None:
+        """Receive one bucket into `full` (a test overrides this to die part-way through)."""
+        receive_bucket(bucket, full, self._transfer, deadline=deadline,
+                       who=self.identity.name, of=len(self._buckets))
 
     def _load(self, sink: WeightSink, full: dict[str, torch.Tensor]) -> None:
         """Load the received tensors into the engine (a test overrides this to corrupt one)."""

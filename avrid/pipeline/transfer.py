@@ -1,58 +1,78 @@
-"""Chapter 6 — the trainer's weights into a rollout pool of its own, over torch.distributed.
+"""Chapter 6 — the trainer's weights into a rollout pool of its own: one group, broadcasts.
 
 In the hybrid engine (chapter 5) each policy rank fills its own engine; here the engines live
-in other processes — other bundles, other GPUs — so the weights must cross between two pools.
-It is chapter 4's problem once more, with the two layouts in different processes:
+in other processes — other bundles, other GPUs — so the weights must cross between two pools:
 
-    source   the actor's FSDP2 shards over the T trainer ranks (cast to the engine's dtype
-             first, as in chapter 5: half the bytes on the wire in bf16)
-    target   each of the R rollout ranks holds every tensor whole
-    plan     `plan_transfer(source, target, same_process={})`: disaggregated, so every byte
-             crosses a process boundary, and the bytes moved equal the lower bound,
-             R x (model bytes); made ONCE, on the driver, from the shapes alone
+    from   the actor's FSDP2 shards over T trainer ranks (cast to the engine's dtype first,
+           as in chapter 5: half the bytes in bf16)
+    to     R rollout ranks, each holding every tensor whole
 
-The T + R processes meet in a process group of their own (`join_group`: trainer rank i is
-process i, rollout rank j is process T + j, as chapter 4's `ProcessMap` numbers them), over
-gloo on CPU and NCCL on GPU, built from a TCP store that trainer rank 0 hosts: the trainer
-ranks already have their FSDP group, and a process has only one default group.
+What each engine must receive is chapter 4's plan across the two pools (`push_plan`:
+`plan_transfer(..., same_process={})`, made once on the driver from the shapes): the whole
+model, R x (model bytes) in all, which is also the lower bound. The metrics report it
+(`sync/bytes_per_rank`), and every rollout rank does receive exactly that.
 
-Every trainer rank calls `post_shards` and every rollout rank `receive_full` at the same
-time. The trainer only posts its sends (`post_sends`) and goes back to training, so a push
-costs the trainer a snapshot of its shard, not the time the rollout ranks take to receive
-and load; the rollout ranks run `execute`, bucket by bucket. The check is the driver's: the
-trainer ranks' partial fingerprints, added up, must equal each rollout engine's whole-tensor
-fingerprints.
+How the bytes travel is NOT the plan's per-pair transfers (on NCCL a send between each
+trainer and rollout rank would build a 2-rank communicator per pair, T x R of them, lazily,
+inside the first push). It is vLLM's and verl's pattern, bucket by bucket:
 
-Not here: when to push (the driver decides: never while a generation is in flight), and
-loading into an engine (`generation.engine_sink`).
+    gather     every trainer rank all-gathers each whole tensor over its FSDP group, as a
+               forward does (`LearnerWorker.push_weights`: a collective the trainer already
+               runs, on its own communicator, while the rollout ranks are not involved)
+    broadcast  trainer rank 0 packs the bucket's pieces into one flat buffer and broadcasts
+               it in the push group, trainer rank 0 + the R rollout ranks (`PushGroup`: one
+               communicator, built once at join time), one broadcast per bucket
+
+Why not every trainer rank broadcasting its own shard in a group of all T + R ranks? A
+broadcast reaches every member: each trainer rank would also receive the others' shards
+(T - 1 extra copies of the model on the trainer's links and in its memory). Why not p2p?
+See above. With trainer rank 0 alone in the push group, the FSDP collectives and the push
+share no member but rank 0 and wait on nothing of each other, so no ordering between two
+communicators can deadlock.
+
+The buckets (`push_buckets`) cut the model, taken as one flat run of elements in parameter
+order, into pieces of at most `plan.bucket_bytes` (a tensor larger than that spans several
+buckets; a bucket may hold many small tensors): a bucket is one flat buffer, so one
+broadcast, however many tensors it holds.
+
+Nobody waits for anybody where it can be avoided. Trainer rank 0 posts every bucket and
+returns to training; it checks the broadcasts finished only at its next push (or at close),
+against a deadline (`PushGroup.wait`). A rollout rank receives bucket after bucket, each
+awaited against the same deadline, then loads. Memory: trainer rank 0 keeps the posted
+buckets until then, one copy of the model in the engine's dtype (bf16: half the fp32
+masters); every trainer rank holds one gathered tensor at a time; a rollout rank one bucket
+plus the whole received model, which it loads. The check is the driver's: the trainer ranks'
+partial fingerprints of their own cast shards, added up, must equal each rollout engine's
+whole-tensor fingerprints, so the gather, the buckets, the broadcast and the load are all
+checked end to end.
+
+Not here: when to push (the driver: never while a generation is in flight), and loading into
+an engine (`generation.engine_sink`).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from avrid.reshard import (
-    ModelLayout,
-    ParamLayout,
-    TransferPlan,
-    execute,
-    layout_checksums,
-    plan_transfer,
-    post_sends,
-)
+from avrid.pipeline.push_group import PushGroup
+from avrid.reshard import ModelLayout, ParamLayout, TransferPlan, plan_transfer
 
 BUCKET_BYTES = 64 << 20
-"""Size bound of one transfer bucket (as chapter 5's `weight_sync.BUCKET_BYTES`)."""
+"""Size bound of one push bucket (as chapter 5's `weight_sync.BUCKET_BYTES`); read when the
+driver makes the plan, which carries it to every worker."""
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 """Parameter name -> (whole shape, dtype name), in the actor's parameter order."""
 
 
 def push_plan(shapes: Shapes, *, trainers: int, rollouts: int, engine_dtype: str) -> TransferPlan:
-    """The transfer plan from `trainers` FSDP2 ranks to `rollouts` whole-model engines.
+    """What `trainers` FSDP2 ranks must get to `rollouts` whole-model engines: chapter 4's
+    plan (the bytes each engine receives, and the lower bound); its `bucket_bytes` is
+    `BUCKET_BYTES`, which `push_buckets` cuts the broadcasts by.
 
     Example::
 
@@ -76,29 +96,109 @@ def engine_layout(plan: TransferPlan) -> ModelLayout:
         (name, ParamLayout.replicated(p.shape, p.dtype, 1)) for name, p in plan.target.params))
 
 
-def join_group(address: str, port: int, *, rank: int, world_size: int, device: str,
-               timeout_s: float) -> dist.ProcessGroup:
-    """This process's member of the trainer + rollout group; every member calls it at once.
-    Rank 0 (trainer rank 0) hosts the TCP store at `address:port`."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
-    if device == "cuda":  # NCCL between GPUs (not run on the CPU machines of this course)
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Elements [start, stop) of tensor `name` (flattened), at `offset` in its bucket."""
+
+    name: str
+    start: int
+    stop: int
+    offset: int
 
 
-def post_shards(plan: TransferPlan, rank: int, shards: dict[str, torch.Tensor],
-                group: dist.ProcessGroup) -> tuple[list[dist.Work], dict[str, int]]:
-    """Trainer rank `rank`: post the sends of its shards (already in the engine's dtype, and
-    a snapshot: the optimizer may step before gloo or NCCL has read them) and return at once,
-    with the unfinished sends and the shards' partial fingerprints for the driver's check.
-    The trainer goes on training while the rollout ranks receive; it waits for the sends
-    before its next push."""
-    works = post_sends(plan, rank, shards, group)
-    return works, layout_checksums(plan.source, rank, shards)
+@dataclass(frozen=True, slots=True)
+class PushBucket:
+    """One broadcast: a flat buffer of `numel` elements of `dtype`, made of `pieces`."""
+
+    index: int
+    numel: int
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
-def receive_full(plan: TransferPlan, rollout_rank: int, group: dist.ProcessGroup,
-                 device: str) -> dict[str, torch.Tensor]:
-    """Rollout rank `rollout_rank`: receive every tensor whole (process T + rollout_rank)."""
-    return execute(plan, plan.source_world + rollout_rank, {}, group=group, device=device)
+def push_buckets(target: ModelLayout, bucket_bytes: int) -> tuple[PushBucket, ...]:
+    """The model (`target`'s tensors, in order: `plan.target`, all in the engine's dtype) cut
+    into flat buckets of at most `bucket_bytes` (`plan.bucket_bytes`). Pure: every member of
+    the push group computes the same buckets from the same plan.
+
+    Example (6 + 4 elements of 4 bytes, in buckets of 16 bytes)::
+
+        >>> plan = push_plan({"a": ((2, 3), "float32"), "b": ((4,), "float32")},
+        ...                  trainers=1, rollouts=1, engine_dtype="float32")
+        >>> [[(p.name, p.start, p.stop) for p in b.pieces] for b in push_buckets(plan.target, 16)]
+        [[('a', 0, 4)], [('a', 4, 6), ('b', 0, 2)], [('b', 2, 4)]]
+    """
+    dtypes = {p.dtype for _, p in target.params}
+    if len(dtypes) > 1:
+        raise ValueError(f"a push bucket is one flat buffer of one dtype; the tensors hold "
+                         f"{sorted(dtypes)}: cast them to the engine's dtype (push_plan does)")
+    dtype = getattr(torch, dtypes.pop()) if dtypes else torch.float32
+    per_bucket = max(1, bucket_bytes // dtype.itemsize)  # elements in a full bucket
+    buckets: list[PushBucket] = []
+    pieces: list[Piece] = []
+    filled = 0
+    for name, p in target.params:
+        numel, start = _numel(p.shape), 0
+        while start < numel:
+            take = min(numel - start, per_bucket - filled)
+            pieces.append(Piece(name, start, start + take, filled))
+            start, filled = start + take, filled + take
+            if filled == per_bucket:
+                buckets.append(PushBucket(len(buckets), filled, dtype, tuple(pieces)))
+                pieces, filled = [], 0
+    if pieces:
+        buckets.append(PushBucket(len(buckets), filled, dtype, tuple(pieces)))
+    return tuple(buckets)
+
+
+def post_buckets(buckets: tuple[PushBucket, ...], whole: Callable[[str], torch.Tensor],
+                 group: PushGroup | None, device: str) -> list[tuple[dist.Work, torch.Tensor]]:
+    """Trainer side, every trainer rank at once. `whole(name)` gives tensor `name` whole, in
+    the engine's dtype (on FSDP2 an all-gather: every trainer rank must ask for the same
+    tensors in the same order, which walking the same buckets guarantees). The rank that is
+    in the push group (`group`: trainer rank 0; None elsewhere) packs each bucket and posts
+    its broadcast. Returns the posted (work, buffer) pairs, unfinished: keep each buffer
+    alive until its work has finished."""
+    posted: list[tuple[dist.Work, torch.Tensor]] = []
+    name, flat_whole = None, None
+    for bucket in buckets:
+        flat = (torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+                if group is not None else None)
+        for piece in bucket.pieces:
+            if piece.name != name:  # one gathered tensor at a time (it may span buckets)
+                name, flat_whole = piece.name, whole(piece.name).reshape(-1)
+            if flat is not None:
+                flat[piece.offset:piece.offset + piece.stop - piece.start].copy_(
+                    flat_whole[piece.start:piece.stop])
+        if flat is not None:
+            posted.append((group.broadcast(flat, root=0), flat))
+    return posted
+
+
+def allocate_whole(plan: TransferPlan, device: str) -> dict[str, torch.Tensor]:
+    """Rollout side: an empty whole tensor for every parameter, to receive into."""
+    return {name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device)
+            for name, p in plan.target.params}
+
+
+def receive_bucket(bucket: PushBucket, out: Mapping[str, torch.Tensor], group: PushGroup, *,
+                   deadline: float, who: str, of: int) -> None:
+    """Rollout side: take part in bucket `bucket`'s broadcast, wait for it against `deadline`
+    (`PushGroup.wait`) and copy its pieces into the whole tensors `out`."""
+    flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)
+    group.wait([group.broadcast(flat, root=0)], deadline=deadline,
+               what=f"{who}: receiving bucket {bucket.index + 1} of {of} of a weight push")
+    for piece in bucket.pieces:
+        out[piece.name].view(-1)[piece.start:piece.stop].copy_(
+            flat[piece.offset:piece.offset + piece.stop - piece.start])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
