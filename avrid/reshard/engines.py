@@ -116,29 +116,37 @@ class VllmSink:
     The engine core must run in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
     as `avrid.ppo.engines.vllm_engine.VllmEngine` sets): between processes vLLM sends
     `collective_rpc` arguments as msgpack without their types, and tensors arrive as plain
-    lists. TP workers below it get their arguments pickled, which carries tensors. Tensors go
-    as CPU tensors.
+    lists. TP workers below it get their arguments pickled, which carries tensors.
+
+    Tensors stay where they are when the engine has a single worker in this process (vLLM's
+    uni-process executor calls the worker directly): a sync on the GPU then streams device
+    tensors into the engine with no host copy. With TP workers in other processes they go as
+    CPU tensors (what pickling between processes carries).
     """
 
     def __init__(self, llm: Any) -> None:  # a vllm.LLM: vllm is imported only where needed
         self.llm = llm
+        parallel = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None),
+                           "parallel_config", None)
+        self.in_process = getattr(parallel, "world_size", None) == 1
 
     def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
              rank: int | None = None) -> None:
         """Full tensors (no `rank`): the model's `load_weights`, which takes HF names, fuses
         q/k/v and gate/up and cuts each TP rank's part. With `layout` and `rank`: that
         rank's slices, copied into its views of the fused parameters; other ranks ignore it."""
-        cpu = {k: v.detach().cpu() for k, v in tensors.items()}
+        sent = {k: v.detach() if self.in_process else v.detach().cpu()
+                for k, v in tensors.items()}
         if rank is None:
-            self.llm.collective_rpc("avrid_load_full", args=(cpu,))
+            self.llm.collective_rpc("avrid_load_full", args=(sent,))
             return
         if layout is None:
             raise ValueError("loading slices needs the layout they were cut with")
-        spec = [v for v in vllm_local_spec(layout, rank) if v[0] in cpu]
-        if len(spec) != len(cpu):  # a name the layout lacks, or a region this rank lacks
-            stray = sorted(set(cpu) - {v[0] for v in spec})
+        spec = [v for v in vllm_local_spec(layout, rank) if v[0] in sent]
+        if len(spec) != len(sent):  # a name the layout lacks, or a region this rank lacks
+            stray = sorted(set(sent) - {v[0] for v in spec})
             raise KeyError(f"rank {rank} of the layout holds no region of {stray[:4]}")
-        self.llm.collective_rpc("avrid_load_slices", args=(rank, spec, cpu))
+        self.llm.collective_rpc("avrid_load_slices", args=(rank, spec, sent))
 
     def finish(self) -> None:
         """Reset the prefix cache: vLLM keeps KV blocks computed with the old weights."""

@@ -106,12 +106,14 @@ class RolloutEngine(Protocol):
         """Take full (unsharded) weights by HF parameter name."""
         ...
 
-    def sleep(self) -> None:
-        """Free accelerator memory while the trainer runs on the same device."""
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory while the trainer runs on the same device: level 1 keeps
+        a host copy of the weights, level 2 drops them (the owner reloads them on waking)."""
         ...
 
-    def wake(self) -> None:
-        """Take the memory back before generating again."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take memory back: "weights" (to load new ones into) and "kv_cache" (to generate);
+        None: both, in that order."""
         ...
 
 
@@ -138,7 +140,10 @@ class TorchEngine:
         self.batch_size = batch_size
         self._sink = TorchEngineSink(self.model)
         self._cache_arg = cache_argument(self.model)
-        self._awake_device: torch.device | None = None  # where to wake to, while asleep
+        # While asleep: the level it sleeps at, and where its weights go back to.
+        self._asleep_level: int | None = None
+        self._awake_device: torch.device | None = None
+        self._shapes: dict[str, torch.Size] = {}  # level 2: the shapes of the dropped weights
 
     @property
     def device(self) -> torch.device:
@@ -147,8 +152,9 @@ class TorchEngine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams) -> list[Completion]:
         """Sample a completion for every prompt, `batch_size` prompts per batch."""
-        if self._awake_device is not None:
-            raise RuntimeError("the engine is asleep: call wake() before generate()")
+        if self._asleep_level is not None:
+            raise RuntimeError(f"the engine is asleep (level {self._asleep_level}): wake() "
+                               f"it{' and load weights' * (self._asleep_level == 2)} first")
         device = self.device
         gen = torch.Generator(device=device).manual_seed(params.seed)
         out: list[Completion] = []
@@ -217,28 +223,67 @@ class TorchEngine:
         """Copy full weights into the model in place; every name, shape and dtype is
         checked before anything is copied (chapter 4's `TorchEngineSink`), so a bad set
         changes nothing. Tensors may live on any device."""
+        if self._asleep_level is not None:
+            raise RuntimeError("the engine is asleep: wake(tags=['weights']) before loading")
         device = self.device
         tensors = {name: t.detach().to(device) for name, t in named}
         self._sink.load(tensors)
         self._sink.finish()
 
-    def sleep(self) -> None:
-        """On CUDA: move the model to CPU and release the cached blocks. On CPU: a no-op
-        (nothing to hand back, the trainer and the engine share host memory anyway)."""
+    @property
+    def sink(self) -> TorchEngineSink:
+        """Where a weight sync loads full tensors (chapter 4's `TorchEngineSink`): the
+        model's own parameters, written in place."""
+        return self._sink
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine sleeps (its weights must be woken before anything else)."""
+        return self._asleep_level is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Hand the weights' memory to a trainer on the same device, vLLM's two levels:
+
+        - level 1: the weights move to host memory (on CUDA; elsewhere they stay put);
+        - level 2: the weights are dropped (their storage freed): for an owner that keeps the
+          master weights anyway — the hybrid engine — and reloads them after `wake`.
+
+        Buffers (e.g. the rotary tables) are kept: they are not weights and nobody reloads
+        them. A plain torch engine has no KV cache between calls: nothing else to free."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self._asleep_level is not None:
+            return
         device = self.device
-        if device.type != "cuda":
-            return
-        self._awake_device = device
-        self.model.to("cpu")
-        torch.cuda.empty_cache()
+        self._awake_device, self._asleep_level = device, level
+        if level == 1:
+            if device.type == "cuda":
+                self.model.to("cpu")
+        else:
+            for name, p in self.model.named_parameters():
+                self._shapes[name] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    def wake(self) -> None:
-        """Undo `sleep`: move the model back where it was. A no-op if it is not asleep."""
-        if self._awake_device is None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep` for `tags` ("weights", "kv_cache"; None: both). After a level-2 sleep
+        the woken weights are allocated but hold nothing until the owner loads them. A no-op
+        for what is awake; "kv_cache" alone is a no-op here (no cache between calls)."""
+        wanted = ("weights", "kv_cache") if tags is None else tuple(tags)
+        unknown = set(wanted) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake tags {sorted(unknown)}; known: weights, kv_cache")
+        if "weights" not in wanted or self._asleep_level is None:
             return
-        self.model.to(self._awake_device)
-        self._awake_device = None
-
+        device = self._awake_device
+        if self._asleep_level == 1:
+            self.model.to(device)
+        else:
+            for name, p in self.model.named_parameters():
+                p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=device)
+            self._shapes = {}
+        self._asleep_level = self._awake_device = None
 
 def cache_argument(model: torch.nn.Module) -> str:
     """The name `model`'s forward takes its KV cache by, and returns it under: ``"cache"``

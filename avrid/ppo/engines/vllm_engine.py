@@ -36,9 +36,10 @@ server engines. vllm is imported only inside `VllmEngine`, so this module import
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,10 +56,15 @@ checked against what is free at start, which fails on a busy machine."""
 _SLEEP_TAGS = ("weights", "kv_cache")
 
 
+SEED_MODES = ("request", "batch")
+"""How `VllmEngine` seeds sampling (``seed_mode``; the config's `rollout.seed_mode`)."""
+
+
 def request_seed(seed: int, index: int) -> int:
-    """A per-request vLLM seed: vLLM seeds every request on its own, so one seed for the
-    whole batch would give identical samples for identical prompts (GRPO's groups!). Mixed
-    by a hash, not `seed + index`, so step s's request i+1 is not step s+1's request i.
+    """A per-request vLLM seed (``seed_mode="request"``): a seed in vLLM's SamplingParams
+    seeds that request alone, so one seed for every request would give identical samples for
+    identical prompts (GRPO's groups!). Mixed by a hash, not `seed + index`, so step s's
+    request i+1 is not step s+1's request i.
 
     >>> request_seed(0, 1) == request_seed(0, 1), request_seed(0, 1) == request_seed(1, 0)
     (True, False)
@@ -68,6 +74,13 @@ def request_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 33
 
 
+def distributed_world_size() -> int:
+    """Ranks in this process's torch.distributed world; 1 where none is up."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class VllmEngine:
     """A ``vllm.LLM`` over a local checkpoint directory as a rollout engine.
 
@@ -75,28 +88,47 @@ class VllmEngine:
 
         engine = VllmEngine("/ckpt/qwen2.5-0.5b", max_model_len=1024, seed=0)
         done = engine.generate([[151644, 872, 198]], SamplingParams(max_new_tokens=64))
-        engine.sleep()                      # trainer step on the freed GPU memory (CUDA)
+        engine.sleep(level=2)               # trainer step on the freed GPU memory (CUDA)
         engine.wake(tags=["weights"])       # weights back first ...
         engine.load_weights(policy.named_parameters())
-        engine.wake()                       # ... then the KV cache
+        engine.wake(tags=["kv_cache"])      # ... then the KV cache
 
     One engine per process at a time: vLLM keeps its parallel state in module globals, and
     closing one in-process engine tears it down under another (refused with an error).
+    Where torch.distributed is already up with more than one rank (the policy's FSDP world),
+    vLLM does not make a world of its own: it cuts its groups from that one (``new_group``, a
+    collective that every rank of the world must call), so every rank must build its engine
+    at the same time, and only once — and `close` destroys that world (vLLM's engine shutdown
+    tears down the process's torch.distributed state). A second engine in such a process (one
+    rank rebuilding alone) would wait on the others or run without the trainer's world: it is
+    refused with an error.
     ``load_format="dummy"`` builds the engine from the directory's config.json alone (random
     weights): the PPO loop does that and then loads the actor's weights before generating.
     ``enable_sleep_mode=None`` uses sleep mode where the platform has it; ``True`` on a
     platform without it is refused. ``kv_cache_bytes`` fixes the KV cache size (default on
     CPU: `CPU_KV_CACHE_BYTES`); on GPU ``gpu_memory_utilization`` applies otherwise.
+
+    ``seed_mode``: "request" seeds each request (`request_seed`): a response depends on the
+    call's seed and its index alone, but vLLM's sampler then draws row by row, with one
+    torch.Generator per request. "batch" seeds vLLM's sampler once per `generate` call (the
+    engine's one worker runs in this process, so that is torch's global RNG, saved and put
+    back around the call: a trainer beside it sees its own RNG unchanged) and samples the
+    whole batch in one draw; a response then depends on the whole batch too. Both give the
+    same samples for the same call and seed, and identical prompts different samples.
     """
 
     _live = False
     """Whether an engine is open in this process (see the class docstring)."""
+    _built_in_world = 0
+    """The size of the torch.distributed world an engine was built over in this process (0:
+    none built yet); over more than one rank, another engine is refused (class docstring)."""
 
     def __init__(self, model_path: str, *, max_model_len: int, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool | None = None,
                  tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  enforce_eager: bool | None = None, kv_cache_bytes: int | None = None,
-                 load_format: str = "auto", **llm_kwargs: Any) -> None:
+                 load_format: str = "auto", seed_mode: str = "request",
+                 **llm_kwargs: Any) -> None:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
                                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VllmEngine "
@@ -104,6 +136,20 @@ class VllmEngine:
         if VllmEngine._live:
             raise RuntimeError("a VllmEngine is already open in this process; close() it "
                                "first (vLLM's parallel state is process-global)")
+        if VllmEngine._built_in_world > 1:
+            raise RuntimeError(f"a VllmEngine was already built in this process, over its "
+                               f"torch.distributed world of {VllmEngine._built_in_world} "
+                               f"ranks: vLLM cuts its groups from that world, so every rank "
+                               f"must build its engine at once, and only once (one rank "
+                               f"building another alone waits on the others, and closing an "
+                               f"engine destroys that world)")
+        world = distributed_world_size()
+        if seed_mode not in SEED_MODES:
+            raise ValueError(f"unknown seed_mode {seed_mode!r}; allowed: {SEED_MODES}")
+        if seed_mode == "batch" and tensor_parallel_size != 1:
+            raise ValueError("seed_mode='batch' seeds the sampler of this process's worker; "
+                             "with tensor_parallel_size > 1 vLLM samples in other processes")
+        self.seed_mode = seed_mode
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # vLLM's own lines (its config at INFO, CPU-build warnings, a harmless tokenizer
@@ -139,6 +185,7 @@ class VllmEngine:
                 skip_tokenizer_init=llm_kwargs.pop("skip_tokenizer_init", True),
                 **llm_kwargs)
         VllmEngine._live = True
+        VllmEngine._built_in_world = max(VllmEngine._built_in_world, world)
         # The sink also exposes `checksums(layout)` for the driver's stale-weight check.
         self.sink = QuietVllmSink(self.llm)
         self._asleep: set[str] = set()
@@ -153,7 +200,10 @@ class VllmEngine:
             temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k,  # 0 = off, as ours (older vLLMs wanted -1)
             top_p=params.top_p,
-            seed=None if params.greedy else request_seed(params.seed, index),
+            # "batch": no seed here, `_seeded` seeds the call (a seeded request would put the
+            # whole batch on vLLM's row-by-row sampling path).
+            seed=(None if params.greedy or self.seed_mode == "batch"
+                  else request_seed(params.seed, index)),
             logprobs=0,  # just the sampled token's
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False)
 
@@ -167,10 +217,23 @@ class VllmEngine:
         if not prompts:
             return []
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        with quiet_vllm():
+        with quiet_vllm(), self._seeded(params):
             sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         return [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
+
+    @contextlib.contextmanager
+    def _seeded(self, params: SamplingParams) -> Iterator[None]:
+        """``seed_mode="batch"``: torch's global RNG (CPU and this process's GPU: what vLLM's
+        sampler draws from when requests carry no seed) seeded with the call's seed for the
+        call, and the caller's state restored after it."""
+        if self.seed_mode != "batch" or params.greedy:
+            yield
+            return
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(params.seed)
+            yield
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors by HF name into every worker (vLLM fuses and shards them), then a
@@ -185,13 +248,22 @@ class VllmEngine:
         read where the weights live; `layout` names the tensors by their HF names."""
         return self.sink.checksums(layout)
 
-    def sleep(self) -> None:
-        """Level 1: weights offloaded to host memory, KV cache dropped (and the prefix cache
-        with it). A no-op without sleep mode (CPU: nothing to hand over)."""
+    @property
+    def asleep(self) -> bool:
+        """Whether any part (weights, KV cache) sleeps."""
+        return bool(self._asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights offloaded to pinned host memory, KV cache dropped (and the prefix
+        cache with it). Level 2: weights dropped too — for an owner that holds the master
+        weights and reloads them after waking (the hybrid engine: no host copy, no copy back
+        that the reload would overwrite anyway). A no-op without sleep mode (CPU)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if not self.enable_sleep_mode or self._asleep:
             return
         with quiet_vllm():
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
         self._asleep = set(_SLEEP_TAGS)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:

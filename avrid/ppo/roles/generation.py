@@ -28,26 +28,31 @@ from avrid.dispatch import Packed, Shard
 from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.ppo.roles import fsdp
 from avrid.ppo.setup.config import PPOConfig
-from avrid.reshard.engines import TorchEngineSink, WeightSink
+from avrid.reshard.engines import WeightSink
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
 
 def build_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int, pad_id: int,
-                 max_response: int) -> tuple[Any, str | None]:
-    """(engine, scratch directory or None) for `config.rollout.engine`. The torch engine gets
-    its own copy of `model` (an fp32 model on its device) cast to `model.dtype`; vLLM only
-    reads the model's config (see `_vllm_engine`)."""
+                 max_response: int, colocated: bool = True) -> tuple[Any, str | None]:
+    """(engine, scratch directory or None) for `config.rollout.engine`, on the run's device
+    (`placement.device`). The torch engine gets its own copy of `model` (an fp32 model, on any
+    device) cast to `model.dtype`; vLLM only reads the model's config (see `_vllm_engine`).
+
+    `colocated`: the engine shares its GPU with a trainer (the hybrid engine: vLLM's sleep
+    mode on, a smaller memory share) or has one of its own (chapter 6's rollout pool: it
+    never sleeps and may take most of the GPU)."""
     if config.rollout.engine == "vllm":
-        return _vllm_engine(config, model, rank=rank, max_response=max_response)
+        return _vllm_engine(config, model, rank=rank, max_response=max_response,
+                            colocated=colocated)
     dtype = getattr(torch, config.model.dtype)
     # A copy: the policy's FSDP2 will shard its own model in place.
     engine_model = fsdp.cast_parameters(copy.deepcopy(model), dtype).eval()
-    return TorchEngine(engine_model, pad_token_id=pad_id), None
+    return TorchEngine(engine_model.to(config.placement.device), pad_token_id=pad_id), None
 
 
 def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
-                 max_response: int) -> tuple[Any, str]:
+                 max_response: int, colocated: bool) -> tuple[Any, str]:
     """vLLM built from the model's config alone (``load_format="dummy"``: random weights):
     the owner loads the trained weights into it before anything is generated, so a fresh
     run, a resumed run and a checkpoint path all start from the weights being trained."""
@@ -63,14 +68,27 @@ def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
     mib = config.rollout.vllm_kv_cache_mib
     engine = VllmEngine(engine_dir, load_format="dummy", dtype=config.model.dtype,
                         seed=config.train.seed, max_model_len=max_model_len,
-                        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                        gpu_memory_utilization=gpu_memory_share(config, colocated=colocated),
+                        # A GPU of its own: nothing to hand over, so no sleep mode (its
+                        # allocator costs memory and every sleep a round trip).
+                        enable_sleep_mode=None if colocated else False,
                         kv_cache_bytes=None if mib is None else mib << 20)
     return engine, engine_dir
 
 
-def engine_sink(engine: Any, config: PPOConfig) -> WeightSink:
-    """Where chapter 4's transfer loads full tensors: vLLM's own loader, or the torch model."""
-    return engine.sink if config.rollout.engine == "vllm" else TorchEngineSink(engine.model)
+def gpu_memory_share(config: PPOConfig, *, colocated: bool) -> float:
+    """vLLM's `gpu_memory_utilization`: the configured one, else 0.4 beside a trainer and 0.85
+    on a GPU of its own."""
+    share = config.rollout.gpu_memory_utilization
+    if share is not None:
+        return share
+    return 0.4 if colocated else 0.85
+
+
+def engine_sink(engine: Any) -> WeightSink:
+    """Where chapter 4's transfer loads full tensors: the engine's `sink` (vLLM's own loader,
+    or the torch model's parameters)."""
+    return engine.sink
 
 
 def generate_shard(engine: Any, shard: Shard, identity: WorkerIdentity, config: PPOConfig, *,
@@ -95,10 +113,9 @@ def generate_shard(engine: Any, shard: Shard, identity: WorkerIdentity, config: 
                             top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
                             stop_token_ids=stop_ids,
                             seed=seed + identity.rank)  # one stream per rank
+    # The engine must be awake: its owner orders the hand-over (`handoff.py`).
     with builder.span("generate"):
-        engine.wake()
         done = engine.generate(prompts, params) if prompts else []
-        engine.sleep()
     lengths = [len(c.token_ids) for c in done]
     truncated = torch.tensor([c.finish_reason == "length" for c in done], dtype=torch.int64)
     stamped = {name: torch.full((len(done),), value, dtype=torch.int64)

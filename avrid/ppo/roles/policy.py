@@ -33,11 +33,11 @@ from avrid.ppo.algo.losses import kl_estimate, policy_loss
 from avrid.ppo.algo.off_policy import importance_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import initial_policy
-from avrid.ppo.roles import fsdp
+from avrid.ppo.roles import fsdp, handoff
 from avrid.ppo.roles.forward import model_device, response_logprobs, train_shard
-from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
+from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
-from avrid.ppo.roles.weight_sync import WeightSync
+from avrid.ppo.roles.weight_sync import SyncReport, WeightSync
 from avrid.ppo.setup.config import PPOConfig
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
@@ -129,10 +129,13 @@ class PolicyWorker(TrainedWorker):
         if self.engine is None:
             raise RuntimeError(f"{self.identity.name} has no rollout engine: with pipeline."
                                f"mode={self.config.pipeline.mode!r} the rollout pool generates")
-        return generate_shard(self.engine, shard, self.identity, self.config,
-                              stop_ids=self.stop_ids, max_response=self.max_response,
-                              max_new_tokens=max_new_tokens,
-                              greedy=greedy, seed=seed)
+        if self.engine.asleep:  # no sync since the last generation (e.g. a critic warm-up
+            self._load_engine()  # step, or validation): every rank reloads, as in a sync
+        result = generate_shard(self.engine, shard, self.identity, self.config,
+                                stop_ids=self.stop_ids, max_response=self.max_response,
+                                max_new_tokens=max_new_tokens, greedy=greedy, seed=seed)
+        handoff.to_trainer(self.engine)  # the GPU is the trainer's until the next sync
+        return result
 
     # ---- log-probs -------------------------------------------------------------------------
 
@@ -207,13 +210,20 @@ class PolicyWorker(TrainedWorker):
         received (``sync/bytes_per_rank``)."""
         builder = ResultBuilder.for_call(self.identity)
         with builder.span("weight_sync"):
-            self.engine.wake()
-            sink = engine_sink(self.engine, self.config)
-            group = self.process_group if self.identity.world_size > 1 else None
-            report = self.sync.run(fsdp.local_shards(self.model), sink, group, self.device)
-            self.engine.sleep()
+            report = self._load_engine()
         builder.metric("sync/bytes_per_rank", report.bytes_moved, "max", per_rank=True)
         return builder.build()
+
+    def _load_engine(self) -> SyncReport:
+        """The hand-over of `handoff.py`: the engine's weights woken (not its KV cache), the
+        actor's weights streamed in and checked, then the KV cache woken for generation; the
+        engine stays awake until the next generation ends."""
+        handoff.wake_for_load(self.engine, self.device)
+        group = self.process_group if self.identity.world_size > 1 else None
+        report = self.sync.run(fsdp.local_shards(self.model), self.engine.sink, group,
+                               self.device)
+        handoff.wake_for_generate(self.engine, self.device)
+        return report
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the torch rollout engine's parameters and buffers (for checks: what
@@ -221,6 +231,9 @@ class PolicyWorker(TrainedWorker):
         if self.config.rollout.engine != "torch":
             raise RuntimeError("engine_weights reads the torch engine; this run uses "
                                f"{self.config.rollout.engine!r}")
+        if self.engine.asleep:  # level 2: nothing to read until the next sync reloads it
+            raise RuntimeError("the rollout engine sleeps (it released its weights after the "
+                               "last generation): read it after a weight sync")
         return {n: t.detach().to("cpu", copy=True)
                 for n, t in self.engine.model.state_dict().items()}
 

@@ -2,25 +2,37 @@
 
 In the hybrid engine each actor rank holds 1/dp of the weights as FSDP2 shards and a rollout
 engine that needs them whole. That is chapter 4's problem with source = `ModelLayout.fsdp`
-over the dp ranks and target = every rank holding a full replica, so this file just uses
-chapter 4: `plan_transfer` once (the plan depends only on shapes), `execute` every step over
-the actor's process group, `WeightSink.load` into the engine, then the fingerprint check —
-the checksums of every rank's shards are gathered and added up, which gives the whole
-tensors' checksums, and compared with what each engine now holds, so a stale or
-half-loaded engine stops the run.
+over the dp ranks and target = every rank holding a full replica, so this file uses chapter
+4: `plan_transfer` once (the plans depend only on shapes), `execute` every step over the
+actor's process group, `WeightSink.load` into the engine, then the fingerprint check — the
+checksums of every rank's shards are gathered and added up, which gives the whole tensors'
+checksums, and compared with what each engine now holds, so a stale or half-loaded engine
+stops the run.
+
+The weights stream, one load group at a time: a group is a run of whole modules (vLLM loads
+a fused q/k/v or gate/up module only once all its pieces arrived, so a module is never cut)
+holding at most half a bucket; each group is assembled on the trainer's device (its own
+shards copied, the other ranks' received), loaded, and freed before the next one. Nothing
+goes through host memory on a GPU, and at most about one bucket of whole tensors and receive
+buffers is alive at once, whatever the model's size (a single module larger than half a
+bucket, e.g. a big embedding, is a group of its own).
 
 The engine may hold a lower precision than the trainer: bf16 training keeps fp32 master
 weights (`fsdp.py`) while the engine generates in bf16. Each rank casts its fp32 shards to the
-engine's dtype BEFORE the transfer (half the bytes on the wire), and the fingerprint is taken
-of the cast shards: the cast is per element, so the cast shards' checksums still add up to the
-checksum of the cast whole tensor — exactly what a correctly loaded engine holds.
+engine's dtype BEFORE the transfer (half the bytes on the wire), one group at a time, and the
+fingerprint is taken of the cast shards: the cast is per element, so the cast shards'
+checksums still add up to the checksum of the cast whole tensor — exactly what a correctly
+loaded engine holds.
 
-This file runs inside a policy worker. It does not know about PPO; the worker calls it.
+This file runs inside a policy worker. It does not know about PPO, nor when the engine wakes
+(`handoff.py` says, `policy.py` calls); the worker calls it.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +48,12 @@ from avrid.reshard import (
     layout_checksums,
     plan_transfer,
 )
-from avrid.reshard.engines import WeightSink
+from avrid.reshard.engines import WeightSink, vllm_param_name
 
 BUCKET_BYTES = 64 << 20
-"""Size bound of one transfer bucket: at most this much send/receive buffer is alive at once."""
+"""Memory bound of a sync: whole tensors of one load group plus its receive buffers."""
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,49 +66,91 @@ class SyncReport:
     """Wall time of transfer + load + check on this rank."""
 
 
+def load_groups(shapes: Shapes, group_bytes: int) -> list[tuple[str, ...]]:
+    """Parameter names cut into load groups, in order: runs of whole modules of at most
+    `group_bytes` (a module larger than that alone). A module is what vLLM loads as one: a
+    parameter's parent, with q/k/v and gate/up counted as their fused module.
+
+    Example:
+        >>> f32 = torch.float32
+        >>> shapes = {f"l.{m}.weight": ((4, 4), f32) for m in ("q_proj", "k_proj", "o_proj")}
+        >>> load_groups(shapes, group_bytes=128)     # q and k form one fused module: 128 B
+        [('l.q_proj.weight', 'l.k_proj.weight'), ('l.o_proj.weight',)]
+    """
+    modules: dict[str, list[str]] = {}
+    for name in shapes:  # dicts keep order: modules in the model's parameter order
+        modules.setdefault(vllm_param_name(name)[0].rpartition(".")[0], []).append(name)
+    groups: list[tuple[str, ...]] = []
+    current: list[str] = []
+    used = 0
+    for names in modules.values():
+        size = sum(math.prod(shapes[n][0]) * shapes[n][1].itemsize for n in names)
+        if current and used + size > group_bytes:
+            groups.append(tuple(current))
+            current, used = [], 0
+        current += names
+        used += size
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
 class WeightSync:
     """FSDP shards of the actor -> full weights in this rank's rollout engine, checked."""
 
     def __init__(self, shards: dict[str, torch.Tensor], shapes: dict[str, tuple[tuple[int, ...],
-                 str]], *, rank: int, world_size: int, engine_dtype: torch.dtype) -> None:
+                 str]], *, rank: int, world_size: int, engine_dtype: torch.dtype,
+                 bucket_bytes: int | None = None) -> None:
         """`shapes`: name -> (shape, trainer dtype) of every actor parameter; `engine_dtype`:
-        what the engine holds, which the shards are cast to before they move."""
+        what the engine holds, which the shards are cast to before they move; `bucket_bytes`:
+        the memory bound (half for a group's whole tensors, half for receive buffers;
+        default `BUCKET_BYTES`)."""
         self.rank = rank
         self.engine_dtype = engine_dtype
         # Both layouts are in the engine's dtype: the cast happens on the source rank.
-        shapes = {n: (s, engine_dtype) for n, (s, _) in shapes.items()}
-        self.source = ModelLayout.fsdp(shapes, world_size)
-        self.target = ModelLayout(world_size=world_size, params=tuple(
-            (n, ParamLayout.replicated(s, d, world_size)) for n, (s, d) in shapes.items()))
+        cast: Shapes = {n: (s, engine_dtype) for n, (s, _) in shapes.items()}
+        self.source = ModelLayout.fsdp(cast, world_size)
         # What one engine holds: every tensor whole (its checksums are whole-tensor ones).
-        self.engine_layout = ModelLayout(world_size=1, params=tuple(
-            (n, ParamLayout.replicated(s, d, 1)) for n, (s, d) in shapes.items()))
-        # Rank r plays source rank r and target rank r: its own shard never crosses a wire.
-        self.plan: TransferPlan = plan_transfer(
-            self.source, self.target, same_process={r: r for r in range(world_size)},
-            bucket_bytes=BUCKET_BYTES)
+        self.engine_layout = _replicated(cast, 1)
+        half = max(1, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // 2)
+        self.groups = load_groups(cast, half)
+        # One plan per group, from the shapes alone. Rank r plays source rank r and target
+        # rank r: its own shard never crosses a wire.
+        self.plans: list[TransferPlan] = [
+            plan_transfer(ModelLayout.fsdp({n: cast[n] for n in names}, world_size),
+                          _replicated({n: cast[n] for n in names}, world_size),
+                          same_process={r: r for r in range(world_size)}, bucket_bytes=half)
+            for names in self.groups]
         _check_local_shapes(self.source, rank, shards)
 
-    def run(self, shards: dict[str, torch.Tensor], sink: WeightSink,
-            group: dist.ProcessGroup | None, device: str = "cpu") -> SyncReport:
-        """Move, load and verify; every rank of the group must call it at once."""
+    def run(self, shards: Mapping[str, torch.Tensor], sink: WeightSink,
+            group: dist.ProcessGroup | None, device: str | torch.device = "cpu") -> SyncReport:
+        """Move, load and verify, group by group; every rank of the group calls it at once."""
         start = time.perf_counter()
-        # A no-op (the same tensors) when the dtypes already agree, e.g. fp32 training.
-        shards = {n: t.to(self.engine_dtype) for n, t in shards.items()}
-        full = execute(self.plan, self.rank, shards, group=group, device=device)
-        sink.load(full)
+        mine: dict[str, int] = {}
+        for names, plan in zip(self.groups, self.plans, strict=True):
+            # A no-op (the same tensors) when the dtypes already agree, e.g. fp32 training.
+            part = {n: shards[n].to(self.engine_dtype) for n in names}
+            sink.load(execute(plan, self.rank, part, group=group, device=device))
+            # The fingerprint check: the checksums of the (cast) source shards, added over
+            # all ranks, are the whole (cast) tensors' checksums.
+            mine.update(layout_checksums(plan.source, self.rank, part))
+            del part  # this group's tensors die here, before the next group's are made
         sink.finish()
-        # The fingerprint check: the checksums of the (cast) source shards, added over all
-        # ranks, are the whole (cast) tensors' checksums; each engine must hold exactly those.
-        parts: list[dict[str, int]] = [layout_checksums(self.source, self.rank, shards)]
+        parts: list[dict[str, int]] = [mine]
         if group is not None and dist.get_world_size(group) > 1:
-            mine = parts[0]
             parts = [{} for _ in range(dist.get_world_size(group))]
             dist.all_gather_object(parts, mine, group=group)
         check_same(combine(parts), sink.checksums(self.engine_layout, 0),
                    where=f"rollout engine of policy rank {self.rank}")
-        return SyncReport(bytes_moved=self.plan.bytes_to(self.rank),
+        return SyncReport(bytes_moved=sum(p.bytes_to(self.rank) for p in self.plans),
                           seconds=time.perf_counter() - start)
+
+
+def _replicated(shapes: Shapes, world_size: int) -> ModelLayout:
+    """Every rank holds every tensor whole (each rank's engine)."""
+    return ModelLayout(world_size=world_size, params=tuple(
+        (n, ParamLayout.replicated(s, d, world_size)) for n, (s, d) in shapes.items()))
 
 
 def _check_local_shapes(layout: ModelLayout, rank: int, shards: dict[str, torch.Tensor]) -> None:
