@@ -21,6 +21,7 @@ from avrid.dispatch import Shard
 from avrid.ppo.algo.losses import value_loss
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import build_tiny_critic, load_critic, tiny_spec
+from avrid.ppo.roles import handoff
 from avrid.ppo.roles.forward import model_device, response_values, train_shard
 from avrid.ppo.roles.trained import TrainedWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -88,4 +89,7 @@ class CriticWorker(TrainedWorker):
         train_shard(self.model, self.optimizer, shard, builder, loss_fn, pad_id=self.pad_id,
                     agg=a.loss_agg, totals=totals, world_size=self.identity.world_size,
                     grad_clip=self.config.train.grad_clip, prefix="critic")
+        # A colocated critic shares its GPU with the policy's rollout engine, which maps its
+        # memory outside PyTorch's cache: give back what this update's activations left.
+        handoff.empty_cache(self.device)
         return builder.build()

@@ -28,6 +28,7 @@ from avrid.dispatch import Packed, Shard
 from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.ppo.roles import fsdp
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.rollout import gpu_memory_share
 from avrid.reshard.engines import WeightSink
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
@@ -68,21 +69,13 @@ def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
     mib = config.rollout.vllm_kv_cache_mib
     engine = VllmEngine(engine_dir, load_format="dummy", dtype=config.model.dtype,
                         seed=config.train.seed, max_model_len=max_model_len,
-                        gpu_memory_utilization=gpu_memory_share(config, colocated=colocated),
+                        gpu_memory_utilization=gpu_memory_share(config.rollout,
+                                                                colocated=colocated),
                         # A GPU of its own: nothing to hand over, so no sleep mode (its
                         # allocator costs memory and every sleep a round trip).
                         enable_sleep_mode=None if colocated else False,
                         kv_cache_bytes=None if mib is None else mib << 20)
     return engine, engine_dir
-
-
-def gpu_memory_share(config: PPOConfig, *, colocated: bool) -> float:
-    """vLLM's `gpu_memory_utilization`: the configured one, else 0.4 beside a trainer and 0.85
-    on a GPU of its own."""
-    share = config.rollout.gpu_memory_utilization
-    if share is not None:
-        return share
-    return 0.4 if colocated else 0.85
 
 
 def engine_sink(engine: Any) -> WeightSink:
