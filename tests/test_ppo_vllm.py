@@ -5,9 +5,11 @@ Runs wherever vllm imports: vLLM's CPU build here and in CI, its CUDA build on G
 random Qwen2 is saved with `save_pretrained` and served by vLLM without a tokenizer (token
 ids in and out). Its head dim is 64, a size every vLLM attention backend supports (vLLM's CPU
 kernels refuse 16). One engine serves the module (sleep mode where the platform has it: one
-CuMem engine per process); a second, bf16 engine is built and closed inside one test. Two
-tests need CUDA (vLLM has no sleep mode on CPU) and are marked gpu as well: sleep and wake,
-and a weight load refused while asleep; `make gpu-test` runs them (in .venv-vllm-gpu).
+CuMem engine per process); a second, bf16 engine is built and closed inside one test. The
+hybrid engine's streamed sync (`weight_sync.WeightSync`: one reload per group of whole
+modules) is checked against vLLM's own loader here. Three tests need CUDA (vLLM has no sleep
+mode on CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep,
+and the level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
 The trainer's side of the log-prob checks is the code training runs (`tests.helpers`).
 """
 
@@ -148,3 +150,49 @@ def test_load_weights_while_asleep_is_refused(engine: VllmEngine,
             engine.load_weights(load_policy(checkpoints["a"]).named_parameters())
     finally:
         engine.wake()
+
+
+def streamed_sync(engine: VllmEngine, policy: torch.nn.Module, bucket_bytes: int) -> int:
+    """Load `policy` into the engine as the hybrid engine's sync does: group by group
+    (`weight_sync.WeightSync`), each group a separate reload of whole modules, then the
+    fingerprint check against what vLLM's workers hold. Returns the number of groups."""
+    from avrid.ppo.roles.weight_sync import WeightSync
+
+    weights = {n: p.detach() for n, p in policy.named_parameters()}
+    shapes = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+              for n, t in weights.items()}
+    sync = WeightSync(weights, shapes, rank=0, world_size=1, engine_dtype=torch.float32,
+                      bucket_bytes=bucket_bytes)
+    sync.run(weights, engine.sink, None, DEVICE)  # raises StaleWeightsError on a mismatch
+    return len(sync.groups)
+
+
+def test_a_streamed_sync_loads_vllm_one_group_of_modules_at_a_time(
+        engine: VllmEngine, checkpoints: dict[str, Path]) -> None:
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    other = load_policy(checkpoints["b"]).to(DEVICE)
+    want = [c.token_ids for c in TorchEngine(other, pad_token_id=PAD).generate(PROMPTS, greedy)]
+    before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+    try:
+        # 1 MiB buckets: the 2-layer model (~2.6 MiB in fp32) goes in several reloads, each
+        # leaving the modules it does not carry as they are.
+        assert streamed_sync(engine, other, 1 << 20) >= 4
+        assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == want
+    finally:
+        engine.load_weights(load_policy(checkpoints["a"]).named_parameters())
+    assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
+
+
+@pytest.mark.gpu(duration_s=90)
+def test_the_hybrid_hand_over_at_level_two_frees_the_weights_and_reloads_them(
+        engine: VllmEngine, checkpoints: dict[str, Path]) -> None:
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+    free_awake, _ = torch.cuda.mem_get_info()
+    engine.sleep(level=2)  # weights dropped too: no pinned host copy
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep > free_awake
+    engine.wake(tags=["weights"])  # garbage until loaded
+    streamed_sync(engine, load_policy(checkpoints["a"]).to(DEVICE), 1 << 20)
+    engine.wake(tags=["kv_cache"])
+    assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
