@@ -236,3 +236,18 @@ def test_moving_a_batch_is_free_where_it_already_is_and_exact_elsewhere() -> Non
                                    moved.scalars["loss_mask"])] == [FAKE] * 3
         back = moved.to("cpu")
     assert back.equals(batch) and is_plain_cpu(back.packed["returns"].values)
+
+
+def test_a_result_made_by_hand_with_device_tensors_is_refused() -> None:
+    # `ResultBuilder` keeps CPU copies; a result assembled any other way must not carry a
+    # device tensor to the driver either (it would unpickle onto the driver's own GPU).
+    identity = WorkerIdentity(role="policy", rank=0, world_size=1)
+    batch = make_batch()
+    with FakeDevice():
+        on_device = batch.to(FAKE)
+        with pytest.raises(ValueError, match="CPU tensors only.*sample_ids on meta"):
+            WorkerResult(version=1, identity=identity, sample_ids=on_device.sample_ids,
+                         outputs=None)
+        with pytest.raises(ValueError, match=r"response_lens on meta.*outputs\['tokens'\]"):
+            WorkerResult(version=1, identity=identity, sample_ids=batch.sample_ids,
+                         outputs=on_device)

@@ -151,6 +151,30 @@ def test_the_hybrid_engine_hands_the_gpu_over_in_vllms_order(monkeypatch) -> Non
     worker.close()
 
 
+def test_a_colocated_critic_gives_its_cached_memory_back_after_its_update(monkeypatch) -> None:  # noqa: ANN001,E501
+    from avrid.ppo.roles.critic import CriticWorker
+
+    log: list[str] = []
+    monkeypatch.setattr(handoff, "empty_cache", lambda device: log.append("empty_cache"))
+    cfg = with_overrides(PPOConfig(), [
+        "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
+        "model.hidden_size=32", "model.num_heads=2"])
+    critic = CriticWorker(WorkerIdentity(role="critic", rank=0, world_size=1), config=cfg,
+                          vocab_size=VOCAB, pad_id=PAD)
+    critic.setup()
+    batch = step_batch()
+    zeros = {k: [torch.zeros(r) for r in batch.response_lens.tolist()]
+             for k in ("values", "returns")}
+    batch = Batch.from_rows(sample_ids=[0, 1, 2, 3], prompt_lens=batch.prompt_lens.tolist(),
+                            response_lens=batch.response_lens.tolist(),
+                            packed={"tokens": [batch.packed["tokens"].row(i) for i in range(4)],
+                                    **zeros})
+    critic.update(Shard(index=0, batch=batch, micro_bounds=(0, 4)),
+                  totals=Totals.of(batch, 4), step=0)
+    assert log == ["empty_cache"]  # once, after the update: the engine beside it can wake
+    critic.close()
+
+
 def test_a_level_two_sleep_drops_the_weights_and_a_wake_needs_a_load() -> None:
     from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
     from avrid.ppo.engines.torch_engine import SamplingParams

@@ -161,6 +161,21 @@ class WorkerResult:
     """The compute spans the worker timed (``builder.span``), then ``unpack`` and ``pack``
     (`HANDLING_SPANS`): its handling of the call before and after them."""
 
+    def __post_init__(self) -> None:
+        # A result leaves its worker for the driver: a CUDA tensor in it would be unpickled
+        # onto the driver's own GPU. `ResultBuilder` keeps CPU copies; this catches a result
+        # made any other way.
+        tensors = {"sample_ids": self.sample_ids}
+        if self.outputs is not None:
+            o = self.outputs
+            tensors.update(prompt_lens=o.prompt_lens, response_lens=o.response_lens,
+                           **{f"outputs[{k!r}]": p.values for k, p in o.packed.items()},
+                           **{f"outputs[{k!r}]": t for k, t in o.scalars.items()})
+        off = [f"{name} on {t.device}" for name, t in tensors.items() if t.device.type != "cpu"]
+        if off:
+            raise ValueError(f"a WorkerResult must hold CPU tensors only (it travels to the "
+                             f"driver); got {', '.join(off)}")
+
     @property
     def is_collect(self) -> bool:
         """Whether this result carries data (its worker is a collect rank)."""

@@ -11,8 +11,10 @@ Read in this order:
                    or load, shard, AdamW, restore, state, close)
 5. generation.py   a rank's rollout engine: build it, load weights into it, generate a shard
 6. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
-7. weight_sync.py  the actor's shards into each rank's engine (chapter 4), fingerprint-checked
-8. critic.py       `CriticWorker`: values and the clipped value-loss update
+7. weight_sync.py  the actor's shards into each rank's engine (chapter 4), streamed group by
+                   group, fingerprint-checked
+8. handoff.py      one GPU, two tenants: the order in which the engine sleeps and wakes
+9. critic.py       `CriticWorker`: values and the clipped value-loss update
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each
