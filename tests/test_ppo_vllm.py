@@ -5,9 +5,10 @@ Runs wherever vllm imports: vLLM's CPU build here and in CI, its CUDA build on G
 random Qwen2 is saved with `save_pretrained` and served by vLLM without a tokenizer (token
 ids in and out). Its head dim is 64, a size every vLLM attention backend supports (vLLM's CPU
 kernels refuse 16). One engine serves the module (sleep mode where the platform has it: one
-CuMem engine per process); a second, bf16 engine is built and closed inside one test. The
-hybrid engine's streamed sync (`weight_sync.WeightSync`: one reload per group of whole
-modules) is checked against vLLM's own loader here. Three tests need CUDA (vLLM has no sleep
+CuMem engine per process; one test switches it to seed_mode="batch"); a second, bf16
+engine is built and closed inside one test. The hybrid engine's streamed sync
+(`weight_sync.WeightSync`: one reload per group of whole modules) is checked against vLLM's
+own loader here. Three tests need CUDA (vLLM has no sleep
 mode on CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep,
 and the level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
 The trainer's side of the log-prob checks is the code training runs (`tests.helpers`).
@@ -100,6 +101,20 @@ def test_seeded_sampling_and_identical_prompts(engine: VllmEngine) -> None:
     assert [c.token_ids for c in engine.generate(PROMPTS, params)] == first
     # Per-request seeds: a GRPO group of identical prompts must not get identical samples.
     group = engine.generate([PROMPTS[0]] * 4, params)
+    assert len({c.token_ids for c in group}) > 1
+
+
+def test_batch_seeding_keeps_both_guarantees(engine: VllmEngine,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "seed_mode", "batch")  # one engine per process: switch it
+    params = SamplingParams(max_new_tokens=12, seed=5)
+    caller_rng = torch.random.get_rng_state()
+    first = [c.token_ids for c in engine.generate(PROMPTS, params)]
+    assert torch.equal(torch.random.get_rng_state(), caller_rng)  # a trainer's RNG: untouched
+    assert [c.token_ids for c in engine.generate(PROMPTS, params)] == first  # same seed
+    other = SamplingParams(max_new_tokens=12, seed=6)
+    assert [c.token_ids for c in engine.generate(PROMPTS, other)] != first
+    group = engine.generate([PROMPTS[0]] * 4, params)  # a GRPO group still differs
     assert len({c.token_ids for c in group}) > 1
 
 

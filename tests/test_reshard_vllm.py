@@ -8,7 +8,9 @@ What `tests/test_reshard_engines.py` checks against fake fused tensors, checked 
 - the minimum-bytes slice path: each TP rank's regions (what chapter 4's executor delivers
   from FSDP shards, bit-identical: `test_reshard_execute.py`) loaded into a real
   tensor_parallel_size=2 engine, fingerprint-checked, generating what a TP=1 engine with
-  the full weights generates. On CPU vLLM's TP=2 runs two worker processes over gloo.
+  the full weights generates. On CPU vLLM's TP=2 runs two worker processes over gloo; on
+  CUDA it needs two GPUs, so it is a twin test marked ``gpu(count=2)`` (the CPU one skips
+  there: under ``pytest --gpus`` a ``vllm`` test alone is given one GPU).
 
 One engine at a time (vLLM's parallel state is process-global), so each test closes its own.
 """
@@ -118,7 +120,25 @@ def test_a_load_resets_the_prefix_cache(tmp_path: Path) -> None:
         eng.close()
 
 
+@pytest.mark.slow
 def test_slices_into_a_tp2_engine_match_a_tp1_engine(tmp_path: Path) -> None:
+    """vLLM's CPU build: two worker processes over gloo on this machine."""
+    # On CUDA, TP=2 needs two GPUs, which this test's markers do not ask for.
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CUDA build: the gpu(count=2) twin below runs it")
+    tp2_slices_match_tp1(tmp_path)
+
+
+@pytest.mark.gpu(count=2, duration_s=120)
+@pytest.mark.slow
+def test_slices_into_a_tp2_engine_match_a_tp1_engine_on_two_gpus(tmp_path: Path) -> None:
+    """vLLM's CUDA build: TP=2 spans two GPUs, so `pytest --gpus` must give it two."""
+    tp2_slices_match_tp1(tmp_path)
+
+
+def tp2_slices_match_tp1(tmp_path: Path) -> None:
+    """Each TP rank's regions of checkpoint A loaded into a TP=2 engine built with random
+    weights: the fingerprints are A's and its greedy output is a TP=1 engine's on A."""
     full = save(tmp_path / "a", seed=3)
     shapes = {n: (tuple(t.shape), "float32") for n, t in full.items()}
     layout = decoder_tp_layout(shapes, 2, head_dim=HEAD_DIM)
