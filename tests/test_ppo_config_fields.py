@@ -93,3 +93,17 @@ def test_the_new_fields_are_in_help_config() -> None:
                  'rollout.tensor_parallel_size: int = 1'):
         assert line in text
     assert "external_launcher" in help_config("rollout")  # the docstring says why only 1
+
+
+def test_a_resume_may_change_the_memory_share_and_the_timeout_but_not_the_math() -> None:
+    from avrid.ppo.driver.run import _check_resumable
+    from avrid.ppo.setup.config_file import config_to_dict
+    from avrid.ppo.setup.overrides import with_overrides
+
+    # A checkpoint written before gpu_memory_utilization became automatic held 0.4.
+    saved = config_to_dict(with_overrides(PPOConfig(), ["rollout.gpu_memory_utilization=0.4"]))
+    now = with_overrides(PPOConfig(), ["train.resume=true", "train.collective_timeout_s=900"])
+    _check_resumable(saved, config_to_dict(now))  # where and how long, not what: allowed
+    hotter = with_overrides(now, ["rollout.temperature=0.5"])
+    with pytest.raises(ValueError, match="cannot resume: .*rollout.temperature: 1.0 -> 0.5"):
+        _check_resumable(saved, config_to_dict(hotter))

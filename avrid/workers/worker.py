@@ -127,6 +127,12 @@ class Worker:
 
         if self._process_group is None:
             return
+        own_store = self.identity.rendezvous is not None and self.identity.rendezvous.in_process
+        if not own_store and not dist.is_initialized():
+            # The default group is gone already: closing a vLLM engine in this process
+            # destroys the group vLLM built its own over (its `cleanup_dist_env_and_memory`).
+            self._process_group = None
+            return
         # A barrier first: without it gloo sometimes aborts at teardown ("terminate called
         # without an active exception") when one rank leaves while another still talks.
         dist.barrier(group=self._process_group)

@@ -86,10 +86,12 @@ from avrid.ppo.setup.tokenizer import response_text
 SCHEDULE_FIELDS = ("steps", "resume", "resume_from", "progress", "val_every",
                    "checkpoint_every", "keep_checkpoints", "out_dir", "samples_per_step",
                    "tensorboard", "wandb_project", "wandb_name", "wandb_mode", "call_timeout_s",
-                   "setup_timeout_s")
+                   "setup_timeout_s", "collective_timeout_s")
 """`train` fields a resumed run may change; any other difference is refused."""
 WHERE_FIELDS = ("ray_address", "strategy")
 """`placement` fields a resumed run may change too: where it runs, not what it computes."""
+MEMORY_FIELDS = ("gpu_memory_utilization",)
+"""`rollout` fields a resumed run may change too: how much GPU memory the engine takes."""
 
 
 class NoCheckpointError(OutDirError):
@@ -353,11 +355,13 @@ def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, 
     diffs = [f"{sec}.{k}: {was[sec].get(k)!r} -> {v!r}"
              for sec, values in now.items() for k, v in values.items()
              if not (sec == "train" and k in SCHEDULE_FIELDS)
-             and not (sec == "placement" and k in WHERE_FIELDS) and was[sec].get(k) != v]
+             and not (sec == "placement" and k in WHERE_FIELDS)
+             and not (sec == "rollout" and k in MEMORY_FIELDS) and was[sec].get(k) != v]
     if diffs:
         raise ValueError("cannot resume: the config differs from the checkpoint's in "
                          + "; ".join(diffs) + f" (only train.{{{', '.join(SCHEDULE_FIELDS)}}} "
-                         f"and placement.{{{', '.join(WHERE_FIELDS)}}} may change)")
+                         f"placement.{{{', '.join(WHERE_FIELDS)}}} and "
+                         f"rollout.{{{', '.join(MEMORY_FIELDS)}}} may change)")
 
 
 def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # noqa: ANN001

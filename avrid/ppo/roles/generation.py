@@ -74,6 +74,7 @@ def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
                         # A GPU of its own: nothing to hand over, so no sleep mode (its
                         # allocator costs memory and every sleep a round trip).
                         enable_sleep_mode=None if colocated else False,
+                        seed_mode=config.rollout.seed_mode,
                         kv_cache_bytes=None if mib is None else mib << 20)
     return engine, engine_dir
 
