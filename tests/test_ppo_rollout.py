@@ -1,4 +1,5 @@
-"""Rollout engines on CPU: the torch engine's log-probs are the trainer's, sampling is seeded,
+"""Rollout engines on CPU: the torch engine's log-probs are the trainer's (with top-k/top-p: plus
+-log(mass kept), the behaviour policy's), sampling is seeded,
 stops and weight loads behave, and the tiny models are built reproducibly.
 
 "The trainer's" log-probs are computed by the code training runs (`columns.model_inputs`,
@@ -62,13 +63,24 @@ def max_gap(policy: torch.nn.Module, prompts: list[list[int]], done: list[Comple
 def test_rollout_logprobs_equal_trainer_logprobs(policy: torch.nn.Module, engine: TorchEngine,
                                                  temperature: float, top_k: int) -> None:
     # THE invariant of the chapter: the KV-cached sampler and the full-sequence trainer pass
-    # give each sampled token the same log-prob, across left padding, temperature and top-k.
+    # give each sampled token the same log-prob, across left padding and temperature. With
+    # top-k the engine reports the behaviour policy's (renormalised over the top k): the
+    # trainer's full-vocabulary value plus -log(mass of the top k), and nothing else.
     for seed in range(3):
         params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=top_k,
                                 seed=seed)
         done = engine.generate(PROMPTS, params)
         assert all(len(c.token_ids) == 12 for c in done)
-        assert max_gap(policy, PROMPTS, done, temperature) < 1e-5
+        if top_k == 0:
+            assert max_gap(policy, PROMPTS, done, temperature) < 1e-5
+            continue
+        ref = trainer_logprobs(policy, PROMPTS, done, temperature=temperature, pad_id=PAD)
+        for prompt, c, r in zip(PROMPTS, done, ref, strict=True):
+            seq = torch.tensor([prompt + list(c.token_ids)])
+            with torch.no_grad():
+                logits = policy(input_ids=seq).logits[0, len(prompt) - 1:-1]
+            kept = torch.softmax(logits / temperature, -1).topk(top_k, dim=-1).values.sum(-1)
+            assert torch.allclose(torch.tensor(c.logprobs), r - kept.log(), atol=1e-5)
 
 
 def test_top_k_samples_only_from_the_top_k(policy: torch.nn.Module, engine: TorchEngine) -> None:
@@ -78,9 +90,10 @@ def test_top_k_samples_only_from_the_top_k(policy: torch.nn.Module, engine: Torc
         logits = policy(input_ids=seq).logits[0, len(prompt) - 1:-1]
         top2 = logits.topk(2, dim=-1).indices
         assert all(t in top2[i].tolist() for i, t in enumerate(c.token_ids))
-        # The recorded log-prob is of the full-vocabulary distribution, not the top-2 one.
+        # The recorded log-prob is of the top-2 distribution it was sampled from.
         full = logprobs_from_logits(logits, torch.tensor(c.token_ids))
-        assert torch.allclose(torch.tensor(c.logprobs), full, atol=1e-5)
+        kept = torch.softmax(logits, -1).topk(2, dim=-1).values.sum(-1)
+        assert torch.allclose(torch.tensor(c.logprobs), full - kept.log(), atol=1e-5)
 
 
 def test_top_p_samples_only_from_the_nucleus(policy: torch.nn.Module,
@@ -90,13 +103,17 @@ def test_top_p_samples_only_from_the_nucleus(policy: torch.nn.Module,
         seq = torch.tensor([prompt + list(c.token_ids)])
         with torch.no_grad():
             probs = torch.softmax(policy(input_ids=seq).logits[0, len(prompt) - 1:-1], -1)
+        nucleus = []
         for i, t in enumerate(c.token_ids):
-            # the token's own probability plus all more likely ones: its mass "before" it
-            # must be below top_p for it to be in the nucleus
-            before = float(probs[i][probs[i] > probs[i, t]].sum())
-            assert before < 0.3
+            # the mass of all more likely tokens, "before" a token, must be below top_p for
+            # it to be in the nucleus
+            before = torch.stack([probs[i][probs[i] > probs[i, v]].sum() for v in range(16)])
+            assert before[t] < 0.3
+            nucleus.append(probs[i][before < 0.3].sum())
         full = logprobs_from_logits(torch.log(probs), torch.tensor(c.token_ids))
-        assert torch.allclose(torch.tensor(c.logprobs), full, atol=1e-5)  # full vocabulary
+        # renormalised over the nucleus: the distribution the token was sampled from
+        assert torch.allclose(torch.tensor(c.logprobs), full - torch.stack(nucleus).log(),
+                              atol=1e-5)
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens(engine: TorchEngine) -> None:

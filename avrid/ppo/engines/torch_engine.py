@@ -12,10 +12,17 @@ both share a GPU.
   installed transformers gives it: `cache` from 5.24, `past_key_values` before (5.24 still
   takes the old name, with a deprecation warning on every call, until 5.40).
 
-An engine's log-probs must equal, for the same weights, what the actor recomputes in
-training: one right-padded full-sequence pass, no cache (`columns.model_inputs`, then
-`forward.response_logprobs`). The tests pin the gap against that very code, and the PPO loop
-logs it every step as `rollout/logprob_gap`.
+What an engine's log-probs mean, for every engine (`VllmEngine` too): the log-probability
+of the sampled token under the BEHAVIOUR policy, the distribution the engine really sampled
+from — softmax(logits / T) after top-k and top-p have cut it to the kept tokens, renormalised
+over them (`behaviour_logprobs`; vLLM's "processed" log-probs, with vLLM's order and boundary
+rules). That is the mu an importance ratio pi / mu needs (chapter 6's `off_policy.py`).
+Without top-k/top-p (the defaults) it is exactly what the actor recomputes in training: one
+right-padded full-sequence pass, no cache (`columns.model_inputs`, then
+`forward.response_logprobs`), over the full vocabulary. The tests pin that equality against
+that very code, and the PPO loop logs the difference every step as `rollout/logprob_gap`;
+with top-k or top-p on, the gap also holds the truncation's -log(mass kept) >= 0, by design:
+the trainer's `old_logp` stays the full-vocabulary policy being trained.
 
 Not here: tokenization, rewards, the vLLM engine (`vllm_engine`), batching across workers.
 """
@@ -39,8 +46,9 @@ FinishReason = Literal["stop", "length"]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How to sample. `top_k=0` and `top_p=1.0` are off; `greedy` takes the argmax (and, like
-    vLLM, no temperature: leave it at 1.0, the temperature its log-probs are reported at).
-    With both on, top-k is applied first, then top-p within it (vLLM's order).
+    vLLM, no temperature: leave it at 1.0, the temperature its log-probs are reported at;
+    top-k and top-p do not apply to it). With both on, top-k is applied first, then top-p
+    within it (vLLM's order; see `behaviour_logits`).
 
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7).top_k
@@ -75,14 +83,21 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             raise ValueError(f"stop_token_ids must be a tuple, got {self.stop_token_ids!r}")
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cut the sampling distribution (never for greedy): then the
+        behaviour policy's log-probs differ from the full-vocabulary ones."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Completion:
     """One generated continuation.
 
     `token_ids` include the stop token if one was sampled. `logprobs[i]` is the log-prob of
-    `token_ids[i]` under softmax(logits / temperature) over the FULL vocabulary (the
-    `logprobs_from_logits` definition), even with top-k: the trainer recomputes exactly that.
+    `token_ids[i]` under the distribution it was sampled from (`behaviour_logprobs`):
+    softmax(logits / temperature) over the full vocabulary when top-k and top-p are off (what
+    the trainer recomputes), renormalised over the kept tokens when they are on.
     `finish_reason` is "stop" when the last token is a stop token (even if it was the last one
     allowed) and "length" when `max_new_tokens` ran out first: a truncated response, which
     the trainer carries as the sample's "truncated" column (see `algo.truncation`).
@@ -182,9 +197,8 @@ class TorchEngine:
         next_pos = pos[:, -1:] + 1
         for step in range(params.max_new_tokens):
             tok = self._sample(logits, params, gen)
-            # The log-prob of the drawn token under the full tempered distribution: the
-            # trainer's definition (logprobs.py), not the top-k renormalised one.
-            logps[:, step] = logprobs_from_logits(logits, tok, params.temperature)
+            # The log-prob of the drawn token under the distribution it was drawn from.
+            logps[:, step] = behaviour_logprobs(logits, tok, params)
             tokens[:, step] = tok
             hit = ~stopped & torch.isin(tok, stop)
             length = torch.where(hit, step + 1, length)
@@ -210,13 +224,7 @@ class TorchEngine:
         """(B, vocab) logits -> (B,) token ids."""
         if params.greedy:
             return logits.argmax(-1)
-        scaled = logits.float() / params.temperature
-        if 0 < params.top_k < scaled.shape[-1]:
-            kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if params.top_p < 1.0:
-            probs = _nucleus(probs, params.top_p)
+        probs = torch.softmax(behaviour_logits(logits, params), dim=-1)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -303,18 +311,55 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`probs` (B, vocab) cut to the smallest set of most likely tokens whose mass reaches
-    `top_p` (the nucleus; the most likely token always stays), unnormalised: `multinomial`
-    only needs proportions.
+def behaviour_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 logits of the distribution a sample is drawn from: logits / temperature,
+    then top-k, then top-p, every cut token at -inf (a softmax renormalises over the rest).
+    Greedy: the logits at T = 1 (argmax; vLLM reports its log-probs untruncated).
+
+    vLLM's order and rules (`apply_top_k_top_p_pytorch` in vLLM's
+    ``v1/sample/ops/topk_topp_sampler.py``, its path on CPU), so both engines report one
+    number: top-k keeps every token >= the k-th largest value (ties at the k-th all stay);
+    top-p sorts ascending, drops each token whose cumulative mass, itself and every token
+    below it, is <= 1 - top_p, and always keeps the most likely one. vLLM's CUDA kernel keeps
+    the same support except at exact ties at the k-th value and float rounding at the cut.
 
     Example:
-        >>> _nucleus(torch.tensor([[0.5, 0.3, 0.2]]), 0.7).tolist()
-        [[0.5, 0.30000001192092896, 0.0]]
+        >>> x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+        >>> behaviour_logits(x, SamplingParams(max_new_tokens=1, top_p=0.7)).isfinite().tolist()
+        [[True, True, False, False]]
     """
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # A token stays if the mass of the tokens before it is still below top_p.
-    before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_sorted = before < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return probs.masked_fill(~keep, 0.0)
+    if params.greedy:
+        return logits.float()
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ascending, order = scaled.sort(dim=-1)
+        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
+        # 1 - top_p in float32, as vLLM computes it from its float32 top_p tensor
+        drop = mass_up_to <= 1 - torch.tensor(params.top_p, dtype=torch.float32)
+        drop[..., -1] = False  # the most likely token always stays
+        scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
+    return scaled
+
+
+def behaviour_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                       params: SamplingParams) -> torch.Tensor:
+    """log p(token) under the behaviour policy: the distribution `TorchEngine` samples from
+    (`behaviour_logits`) and the one vLLM's "processed_logprobs" report. Scores any tokens,
+    e.g. another engine's, teacher-forced: `logits` (..., vocab), `tokens` (...) int64.
+
+    Without truncation (`params.truncates` False) it is `logprobs_from_logits`, the trainer's
+    own function, bit for bit; with it, it exceeds that by -log(mass kept) >= 0.
+
+    Example:
+        >>> x = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+        >>> p = SamplingParams(max_new_tokens=1, top_k=2)
+        >>> round(float(behaviour_logprobs(x, torch.tensor([0]), p)[0].exp()), 4)  # 0.5 / 0.8
+        0.625
+    """
+    if not params.truncates:
+        return logprobs_from_logits(logits, tokens, params.temperature)
+    logp = torch.log_softmax(behaviour_logits(logits, params), dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
