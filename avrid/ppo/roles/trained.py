@@ -104,7 +104,10 @@ class TrainedWorker(Worker, abc.ABC):
         # eval(): dropout off, so the old-logp or values pass and the update see the same
         # function (transformers' token classifier, the critic, has a 0.1 dropout before its
         # head; RL fine-tuning turns it off so a forward pass is a function of the weights).
-        self.model = fsdp.shard_model(model.eval(), group, ident.world_size, self.device,
+        model.eval()
+        if self.config.checkpoints_activations:  # before sharding: FSDP2 wraps the layers
+            checkpoint_activations(model)
+        self.model = fsdp.shard_model(model, group, ident.world_size, self.device,
                                       compute_dtype=self.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
                                            weight_decay=self.config.train.weight_decay,
@@ -166,3 +169,25 @@ def lr_at(train: TrainConfig, lr: float, step: int) -> float:
     else:  # cosine
         scale = 0.5 * (1.0 + math.cos(math.pi * progress))
     return lr * (train.min_lr_ratio + (1.0 - train.min_lr_ratio) * scale)
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Turn on transformers' activation checkpointing of `model`'s decoder layers
+    (non-reentrant `torch.utils.checkpoint`): with grad, each layer keeps only its input and
+    recomputes its activations in the backward pass. The same operations run again on the
+    same values, so gradients do not change.
+
+    transformers checkpoints a layer only while it is in training mode, and the roles keep the
+    model in eval mode (dropout off). So only the layers' own `training` flag is set, not their
+    children's: every dropout inside stays off (the Qwen2/Llama layers read no flag of their
+    own). A later `model.eval()` would turn checkpointing off again.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the new name (not in 5.19)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True

@@ -226,6 +226,11 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm (clip_grad_norm_ over all DP shards)."""
+    gradient_checkpointing: bool | None = None
+    """Activation checkpointing in the actor's and critic's updates: each decoder layer keeps
+    only its input and recomputes its activations in the backward pass (about a third more
+    compute; activation memory no longer grows with the layers). Changes no result. None =
+    on when a checkpoint is read (model.path or model.critic_path), off for the tiny models."""
     critic_warmup_steps: int = 0
     """Steps at the start that train only the critic (PPO)."""
     seed: int = 0
@@ -297,6 +302,9 @@ class TrainConfig:
                      "samples_per_step"):
             need(getattr(self, name) >= 0, f"train.{name}",
                  f"must be >= 0, got {getattr(self, name)}")
+        need(self.gradient_checkpointing is None or isinstance(self.gradient_checkpointing, bool),
+             "train.gradient_checkpointing",
+             f"must be true, false or null (automatic), got {self.gradient_checkpointing!r}")
         positive("train", keep_checkpoints=self.keep_checkpoints)
         need(bool(self.out_dir), "train.out_dir", "must be a directory path")
 
@@ -356,3 +364,12 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         validate(self)  # the rules that tie fields of different sections together
+
+    @property
+    def checkpoints_activations(self) -> bool:
+        """Whether the trained models checkpoint activations (`train.gradient_checkpointing`;
+        where it is None, whether the run reads a checkpoint: the tiny models keep their
+        speed, real ones their memory)."""
+        if self.train.gradient_checkpointing is not None:
+            return self.train.gradient_checkpointing
+        return self.model.path is not None or self.model.critic_path is not None

@@ -121,7 +121,9 @@ def qwen_gsm8k() -> PPOConfig:
     """GRPO on GSM8K with Qwen2.5-0.5B-Instruct and vLLM on one GPU, all from local paths.
 
     The paths come from the environment (nothing is downloaded): ``AVRID_QWEN_PATH`` (the
-    model directory) and ``AVRID_GSM8K_PATH`` (a .jsonl or .parquet with question/answer)."""
+    model directory) and ``AVRID_GSM8K_PATH`` (a .jsonl or .parquet with question/answer).
+    The model is read from `model.path`, so the updates checkpoint activations
+    (`train.gradient_checkpointing`'s automatic default)."""
     model_path = os.environ.get("AVRID_QWEN_PATH", "models/Qwen2.5-0.5B-Instruct")
     data_path = os.environ.get("AVRID_GSM8K_PATH", "data/gsm8k/train.jsonl")
     return PPOConfig(
