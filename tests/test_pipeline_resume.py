@@ -29,6 +29,7 @@ import torch
 from avrid.pipeline import PipelinedTrainer
 from avrid.ppo.driver.run import _check_resumable, train
 from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
+from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.config_file import config_to_dict
 from avrid.ppo.setup.overrides import with_overrides
@@ -86,7 +87,15 @@ def lines(out: Path, name: str, skip: tuple[str, ...] = ()) -> list[dict]:
 
 
 def final_weights(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return load_checkpoint(out / "checkpoints").weights
+    ck = load_checkpoint(out / "checkpoints")
+    return {name: read_model_weights(path) for name, path in ck.sharded.items()}
+
+
+def copied_shards(sharded: dict[str, Path], tmp: Path) -> list[str]:
+    """A `write_shards` that copies a loaded checkpoint's shard directories into `tmp`."""
+    for name, path in sharded.items():
+        shutil.copytree(path, tmp / name)
+    return list(sharded)
 
 
 def interrupted_and_resumed(tmp_path: Path, sets: tuple[str, ...], *, instant: bool,
@@ -166,8 +175,8 @@ def test_a_checkpoint_without_pipeline_state_resumes_with_an_empty_queue(
     ck = load_checkpoint(tmp_path / "checkpoints")
     assert ck.step == EVERY and "pipeline" in ck.extra
     old_extra = {k: v for k, v in ck.extra.items() if k != "pipeline"}
-    save_checkpoint(tmp_path / "checkpoints", ck.step, weights=ck.weights,
-                    optimizers=ck.optimizers, state=ck.state, extra=old_extra)
+    save_checkpoint(tmp_path / "checkpoints", ck.step, state=ck.state, extra=old_extra,
+                    write_shards=lambda tmp: copied_shards(ck.sharded, tmp))
     log: list[str] = []
     train(config(tmp_path, *sets, resume=True), log=log.append,
           make_trainer=partial(Killable))

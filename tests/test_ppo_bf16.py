@@ -19,6 +19,7 @@ from avrid.ppo.driver.run import train
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
+from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -121,9 +122,10 @@ def test_a_resumed_bf16_run_matches_an_uninterrupted_one(tmp_path: Path,
     b = load_checkpoint(latest_checkpoint(out / "checkpoints"))
     assert a.step == b.step == 3
     for model in ("actor", "critic"):
-        assert {t.dtype for t in a.weights[model].values()} == {torch.float32}
-        for name, t in a.weights[model].items():
-            assert t.equal(b.weights[model][name]), f"{model}.{name} differs after resume"
+        wa, wb = read_model_weights(a.sharded[model]), read_model_weights(b.sharded[model])
+        assert {t.dtype for t in wa.values()} == {torch.float32}
+        for name, t in wa.items():
+            assert t.equal(wb[name]), f"{model}.{name} differs after resume"
 
 
 class ShardWorker(Worker):

@@ -27,6 +27,7 @@ from avrid.ppo.engines.models import (
 from avrid.ppo.outputs import export as export_module
 from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
 from avrid.ppo.outputs.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
+from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.config_file import config_to_dict
 from avrid.ppo.setup.overrides import with_overrides
@@ -77,7 +78,7 @@ def test_a_runs_export_loads_and_gives_the_checkpoints_logits_exactly(run_dir: P
     cfg = tiny(run_dir)
     rebuilt = build_tiny_policy(tiny_spec(cfg, DIGITS.vocab_size), seed=123, eos_token_id=1,
                                 pad_token_id=0)
-    rebuilt.load_state_dict(ckpt.weights["actor"])
+    rebuilt.load_state_dict(read_model_weights(ckpt.sharded["actor"]))  # the saved shards
     loaded = AutoModelForCausalLM.from_pretrained(dest, attn_implementation=ATTN_IMPLEMENTATION)
     assert loaded.dtype == torch.float32
     assert torch.equal(logits(loaded.eval()), logits(rebuilt))

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from avrid.ppo.driver import run as run_module
-from avrid.ppo.driver.run import NoCheckpointError, restore_rng_states, rng_states, train
+from avrid.ppo.driver.run import NoCheckpointError, train
+from avrid.ppo.driver.saving import restore_rng_states, rng_states
 from avrid.ppo.outputs.checkpoint import CorruptCheckpointError, latest_checkpoint, load_checkpoint
 from avrid.ppo.outputs.outdir import OutDirBusyError, OutDirError, OutDirLock, WriteError
 from avrid.ppo.setup.config import TrainConfig
 from avrid.ppo.setup.presets import PRESETS
 from tests.helpers import child_env, snapshot
-from tests.test_ppo_checkpoint import tamper
 from tests.test_ppo_trainer import ROOT, EchoFirstTask, algorithmic, tiny
 
 pytestmark = pytest.mark.chapter(5)
@@ -137,12 +137,15 @@ def test_a_damaged_latest_checkpoint_is_refused_and_the_intact_one_resumes(
         tmp_path: Path) -> None:
     train(tiny(tmp_path, "train.steps=2", "train.checkpoint_every=1"))
     ckpts = tmp_path / "checkpoints"
-    tamper(ckpts / "step_000002")  # the weights changed in place
+    shard = ckpts / "step_000002" / "actor" / "model" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the weights changed in place
+    shard.write_bytes(bytes(data))
     (ckpts / ".tmp-step_000003-killed").mkdir()  # a save killed midway
     with pytest.raises(CorruptCheckpointError) as err:
         train(tiny(tmp_path, "train.steps=3", "train.resume=true"))
     message = str(err.value)
-    assert "step_000002" in message and "actor.safetensors" in message
+    assert "step_000002/actor/model/__0_0.distcp" in message
     assert f"train.resume_from={ckpts / 'step_000001'}" in message
     summary = train(tiny(tmp_path, "train.steps=3", "train.resume=true",
                          "train.resume_from=step_000001", "train.checkpoint_every=1"))

@@ -16,6 +16,7 @@ import pytest
 
 from avrid.ppo.driver.run import train
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
+from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
@@ -71,8 +72,9 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path: Path) -> None:
     b = load_checkpoint(latest_checkpoint(out / "checkpoints"))
     assert a.step == b.step == 4
     for model in ("actor", "critic"):
-        for name, t in a.weights[model].items():
-            assert t.equal(b.weights[model][name]), f"{model}.{name} differs after resume"
+        wa, wb = read_model_weights(a.sharded[model]), read_model_weights(b.sharded[model])
+        for name, t in wa.items():
+            assert t.equal(wb[name]), f"{model}.{name} differs after resume"
 
 
 def test_resume_refuses_a_changed_algorithm_setting(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ Output directory (``train.out_dir``)::
     metrics.jsonl        one line per step; step 0 is the untrained validation
     samples.jsonl        prompt, response, reward of a few rollouts per step, spread over
                          the step's prompts (`spread_rows`)
-    checkpoints/         step_000050/ {actor,critic}.safetensors, *.optim.pt, state.json
+    checkpoints/         step_000050/ {actor,critic}/{model,optim}/ (each rank's shards),
+                         state.json, extra.pt, manifest.json (see saving.py, checkpoint.py)
     reward.png phases.png timeline.png timeline.json
     export/              the final policy: config.json, model.safetensors, generation_config.json
                          and the tokenizer (see export.py); loads with from_pretrained, serves
@@ -50,25 +51,21 @@ directory>`` resumes from that one (or any other) instead.
 from __future__ import annotations
 
 import os
-import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
+from avrid.ppo.driver.saving import restore_rng_states, resume_weights, save
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.outputs.checkpoint import (
     Checkpoint,
     CorruptCheckpointError,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
 )
-from avrid.ppo.outputs.export import export_checkpoint, tokenizer_record
+from avrid.ppo.outputs.export import export_checkpoint
 from avrid.ppo.outputs.metrics import (
     MetricsLogger,
     SampleDump,
@@ -168,7 +165,7 @@ def _train(config: PPOConfig, out: Path, ckpt_root: Path, ck: Checkpoint | None,
     t = config.train
     first, weights, optimizers, held = 0, None, None, None
     if ck is not None:
-        first, weights, optimizers = ck.step, ck.weights, ck.optimizers
+        first, (weights, optimizers) = ck.step, resume_weights(ck)
         held = ck.extra.get("pipeline")  # a pipelined run's queue and versions (chapter 6)
         if log:
             log(f"resuming from {ck.path} (step {first}){_pipeline_note(config, ck)}")
@@ -233,26 +230,6 @@ def metrics_logger(config: PPOConfig, resume_step: int | None) -> MetricsLogger:
                          run_config=config_to_dict(config))
 
 
-def save(trainer: Trainer, root: Path, step: int) -> Path:
-    """The trainer's state (`Trainer.state`: full weights, per-rank optimizer states), the
-    run's position and, for a pipelined run, what its pipeline holds (in the extras as
-    "pipeline": `Trainer.pipeline_state`), written atomically."""
-    cfg = trainer.config
-    # First: it waits for a generation still in flight, so that nothing runs in any worker
-    # while the models and the RNG states below are read.
-    held = trainer.pipeline_state()
-    models = trainer.state()
-    # Every random draw of the loop is seeded from (train.seed, step), so the step IS the RNG
-    # state and the data position; the driver's global RNGs are saved too (and restored on
-    # resume) for code that draws from them, e.g. a plug-in task's reward.
-    state = {"step": step, "data_position": step * cfg.train.prompts_per_step,
-             "rng": {"seed": cfg.train.seed, "derived_from": "(seed, step)"},
-             "config": config_to_dict(cfg), "tokenizer": tokenizer_record(trainer.tokenizer)}
-    extra = rng_states() if held is None else {**rng_states(), "pipeline": held}
-    return save_checkpoint(root, step, weights=models.weights, optimizers=models.optimizers,
-                           state=state, extra=extra, keep_last=cfg.train.keep_checkpoints)
-
-
 def _pipeline_note(config: PPOConfig, ck: Checkpoint) -> str:
     """What the resume line adds for a pipelined run: whether it goes on exactly."""
     if not config.pipeline.disaggregated:
@@ -268,32 +245,6 @@ def _pipeline_note(config: PPOConfig, ck: Checkpoint) -> str:
                 f"by now come from newer weights, so from step {ran} on this run may differ "
                 f"from one set for {config.train.steps} steps from the start")
     return "; its pipeline state (queued batches, weight versions) is restored"
-
-
-def rng_states() -> dict[str, Any]:
-    """The driver's global RNG states: torch (CPU), Python's `random`, numpy's legacy
-    global generator; what `save` puts in a checkpoint's extras.
-
-    Example:
-        >>> saved = rng_states()
-        >>> a = torch.rand(1).item(), random.random()
-        >>> restore_rng_states(saved)
-        >>> (torch.rand(1).item(), random.random()) == a
-        True
-    """
-    return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-            "numpy_rng": np.random.get_state()}
-
-
-def restore_rng_states(extra: Mapping[str, Any]) -> None:
-    """Put back the RNG states `rng_states` returned (those present: a checkpoint of an
-    older avrid has only torch's)."""
-    if "torch_rng" in extra:
-        torch.set_rng_state(extra["torch_rng"])
-    if "python_rng" in extra:
-        random.setstate(extra["python_rng"])
-    if "numpy_rng" in extra:
-        np.random.set_state(extra["numpy_rng"])
 
 
 def _resume_point(config: PPOConfig, out: Path, ckpt_root: Path) -> Checkpoint | None:

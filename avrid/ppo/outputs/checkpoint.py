@@ -1,21 +1,28 @@
 """Chapter 5 — the trainer's checkpoints: one directory per step, written so a crash never
 leaves a half-written one behind, and checked on load so a damaged one is never resumed.
 
-The driver gathers everything from the workers (full state dicts, per-rank optimizer states,
-data position, RNG states, config) and hands it to `save_checkpoint`; `load_checkpoint` gives
-it back for a resume. A checkpoint directory looks like this::
+The trained models are saved sharded: `save_checkpoint` calls `write_shards` with the
+temporary step directory, and the driver has every rank of each trained role write its own
+shards of the model and of AdamW there (`shards.py`); no tensor of theirs reaches the driver.
+The driver hands over the rest itself (data position, RNG states, config); `load_checkpoint`
+gives it back for a resume with the models' shard directories, which the workers read. A
+checkpoint directory looks like this::
 
     root/
       latest                 text: the name of the newest complete step directory
       step_000012/
-        manifest.json        what the directory holds and the sha256 of every other file
-                             (written last, checked on load: `manifest.py`)
-        actor.safetensors    one full state dict per model name (safetensors.torch)
-        critic.safetensors
-        actor.optim.pt       one torch.save'd object per optimizer name
+        manifest.json        what the directory holds and the sha256 of every other file,
+                             the shards' too (written last, checked on load: `manifest.py`)
+        actor/model/         DCP shards of the weights: .metadata, __0_0.distcp (rank 0), ...
+        actor/optim/         DCP shards of AdamW's state, alike
+        critic/model/ ...
         state.json           JSON-able driver state: step, data position, config, ...
         extra.pt             torch.save'd extras (only if given): RNG states, and a
                              pipelined run's queue and versions (chapter 6's resume.py)
+
+Whole models can still be handed over as state dicts (`weights`: ``<name>.safetensors``,
+`optimizers`: ``<name>.optim.pt``), and a checkpoint written before sharding (format 2, only
+those) still loads and resumes: its `Checkpoint.weights` and `optimizers` are filled instead.
 
 Why the care: a run killed while saving must still resume from the previous step. So every
 file goes into a hidden ``.tmp-step_000012-*`` directory first, is fsynced, and only then is
@@ -34,9 +41,9 @@ checkpoint of a root that turns out to be damaged raises `CorruptCheckpointError
 and the newest intact earlier step directory, which can then be loaded by its path. A
 `latest` pointer that is unreadable is refused the same way rather than guessed around.
 
-This file does not gather state from workers, shard or reshard anything, or import Ray. The
-``.pt`` files are pickles: load only checkpoints you wrote yourself (the checksums catch
-damage, not a forger, who can rewrite the manifest too).
+This file does not talk to workers, shard anything (`shards.py`), or import Ray. The ``.pt``
+files are pickles: load only checkpoints you wrote yourself (the checksums catch damage, not
+a forger, who can rewrite the manifest too).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +68,7 @@ from avrid.ppo.outputs.manifest import (
     write_manifest,
 )
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file, writing
+from avrid.ppo.outputs.shards import METADATA, MODEL_DIR, OPTIM_DIR
 from avrid.results.timeline import atomic_write
 
 LATEST = "latest"
@@ -92,10 +100,14 @@ class Checkpoint:
     """The step directory, e.g. ``root/step_000012``."""
     step: int
     weights: dict[str, dict[str, torch.Tensor]]
-    """Full CPU state dict per model name. Tied weights come back as separate equal tensors:
-    `load_state_dict` copies into the model's own (still tied) parameters, so that is fine."""
+    """Full CPU state dict per model saved whole (none for sharded ones). Tied weights come
+    back as separate equal tensors: `load_state_dict` copies into the model's own (still tied)
+    parameters, so that is fine."""
     optimizers: dict[str, Any]
     """What was passed as `optimizers`, per name (loaded onto the CPU)."""
+    sharded: dict[str, Path] = field(default_factory=dict)
+    """Model name -> its directory of per-rank shards (checksums verified; read them with
+    `shards.load_shards` on every rank, or `shards.read_model_weights` in one process)."""
     state: dict[str, Any]
     """The JSON state, as saved."""
     extra: dict[str, Any]
@@ -113,8 +125,10 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, *,
-                    weights: Mapping[str, Mapping[str, torch.Tensor]],
-                    optimizers: Mapping[str, Any], state: Mapping[str, Any],
+                    state: Mapping[str, Any],
+                    weights: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+                    optimizers: Mapping[str, Any] | None = None,
+                    write_shards: Callable[[Path], Collection[str]] | None = None,
                     extra: Mapping[str, Any] | None = None,
                     keep_last: int | None = None) -> Path:
     """Write the checkpoint of `step` under `root` atomically and point `latest` at it.
@@ -126,6 +140,9 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
             on any device, non-contiguous or share memory (tied embeddings).
         optimizers: per name any `torch.save`-able object, e.g. a list of per-rank optimizer
             state dicts.
+        write_shards: called once with the temporary step directory; writes a ``<name>/``
+            directory of shards per model (`shards.save_shards` on every rank) and returns
+            the names. The run's way: `Trainer.write_shards`.
         state: JSON-able driver state (step, data position, config, Python RNG state as ints).
         extra: optional `torch.save`-able mapping for what JSON cannot hold (RNG tensors).
         keep_last: if given (>= 1), afterwards delete older step directories so that only the
@@ -149,6 +166,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    weights, optimizers = weights or {}, optimizers or {}
     for name in (*weights, *optimizers):
         if not _NAME.fullmatch(name):
             raise ValueError(f"model/optimizer name {name!r} is not a plain file name "
@@ -159,6 +177,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
     try:
+        sharded = _write_shards(tmp, write_shards, taken=set(weights) | set(optimizers))
         for model, sd in weights.items():
             write_file(tmp / f"{model}.safetensors",
                         lambda p, sd=sd: save_file(savable(sd), str(p)))
@@ -171,7 +190,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
             write_file(tmp / "extra.pt", lambda p: torch.save(dict(extra), p))
         # Last: hashes the files above as they are on disk, and marks the directory complete.
         write_manifest(tmp, step=step, weights=weights, optimizers=optimizers,
-                       extra=extra is not None)
+                       extra=extra is not None, sharded=sharded)
         with writing(root / name):
             os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
             fsync_dir(tmp)
@@ -294,6 +313,26 @@ def savable(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _write_shards(tmp: Path, write: Callable[[Path], Collection[str]] | None, *,
+                  taken: set[str]) -> list[str]:
+    """Have `write` put the shards into the temporary step directory `tmp` (a failure midway
+    removes them with it), check what it wrote, fsync its directories; returns the names."""
+    if write is None:
+        return []
+    names = sorted(write(tmp))
+    for name in names:
+        if not _NAME.fullmatch(name) or name in taken:
+            raise ValueError(f"sharded model name {name!r} is not a plain file name or is also "
+                             f"saved whole")
+        for part in (MODEL_DIR, OPTIM_DIR):
+            if not (tmp / name / part / METADATA).is_file():
+                raise FileNotFoundError(f"the shards of {name!r} are incomplete: no "
+                                        f"{tmp / name / part / METADATA}")
+    for directory in sorted(p for p in tmp.rglob("*") if p.is_dir()):
+        fsync_dir(directory)  # the files are (DCP fsyncs each); their names too
+    return names
+
+
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     """Complete step directories (those with a manifest), sorted by step."""
     if not root.is_dir():
@@ -322,20 +361,26 @@ def _load(path: Path, models: Collection[str] | None, training_state: bool) -> C
     def read(name: str, reader: Callable[[Path], Any]) -> Any:
         return read_verified(path / name, reader, digests.get(name))
 
-    wanted = manifest["weights"] if models is None else list(models)
-    unknown = sorted(set(wanted) - set(manifest["weights"]))
+    held = [*manifest["weights"], *manifest["sharded"]]
+    wanted = held if models is None else list(models)
+    unknown = sorted(set(wanted) - set(held))
     if unknown:
         raise FileNotFoundError(f"{path} holds no weights named {', '.join(unknown)}; it has "
-                                f"{', '.join(manifest['weights']) or 'none'}")
+                                f"{', '.join(held) or 'none'}")
     weights = {m: read(f"{m}.safetensors", lambda p: load_file(str(p), device="cpu"))
-               for m in wanted}
+               for m in wanted if m in manifest["weights"]}
+    sharded = {m: path / m for m in wanted if m in manifest["sharded"]}
+    # The workers read the shards; their checksums are checked here, before any worker starts.
+    parts = tuple(f"{m}/" if training_state else f"{m}/{MODEL_DIR}/" for m in sharded)
+    for name in (n for n in digests if parts and n.startswith(parts)):
+        read(name, lambda p: None)
     optimizers = ({o: read(f"{o}.optim.pt", torch_load)
                    for o in manifest["optimizers"]} if training_state else {})
     state = read("state.json", lambda p: json.loads(p.read_text()))
     extra = (read("extra.pt", torch_load)
              if manifest["extra"] and training_state else {})
     return Checkpoint(path=path, step=int(manifest["step"]), weights=weights,
-                      optimizers=optimizers, state=state, extra=extra)
+                      optimizers=optimizers, state=state, extra=extra, sharded=sharded)
 
 
 def _step_of(path: Path) -> int:

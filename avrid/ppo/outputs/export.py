@@ -20,8 +20,12 @@ so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and 
 Where the architecture comes from: a tiny model (``model.path`` unset) is rebuilt from the saved
 config (`models.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
 eos/pad ids; a pretrained one (``model.path``) keeps that checkpoint's own ``config.json``. The
-tokenizer is described by a `tokenizer_record`, which `run.save` puts in each checkpoint's
+tokenizer is described by a `tokenizer_record`, which `saving.save` puts in each checkpoint's
 state.json; for a checkpoint without one the tokenizer is rebuilt from the saved config.
+
+The weights: a sharded checkpoint's actor shards are put together here, in this one process
+with no process group (`shards.read_model_weights`: the one place a whole fp32 copy is made);
+a checkpoint written before sharding holds them whole already.
 
 Writes are atomic, like checkpoints: everything goes into a hidden sibling ``.tmp-<dest>-*``
 directory first and is renamed into place at the end, so a failure leaves no half-written export.
@@ -51,6 +55,7 @@ from avrid.ppo.engines.models import tiny_config, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
 from avrid.ppo.outputs.export_dest import check_export_dest
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # as checkpoints
+from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.config_file import config_from_dict
 from avrid.ppo.setup.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -136,7 +141,9 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
         raise ValueError(f"{step_dir / 'state.json'} has no 'config': not written by "
                          "`avrid ppo`, so the model's architecture is unknown")
     tokenizer = ckpt.state.get("tokenizer") or _rebuilt_tokenizer_record(ckpt.state["config"])
-    out = export_policy(dest, ckpt.weights["actor"], config=ckpt.state["config"],
+    weights = (read_model_weights(ckpt.sharded["actor"]) if "actor" in ckpt.sharded
+               else ckpt.weights["actor"])
+    out = export_policy(dest, weights, config=ckpt.state["config"],
                         tokenizer=tokenizer, overwrite=overwrite, source=step_dir)
     return Exported(dest=out, checkpoint=step_dir, step=ckpt.step,
                     files=tuple(sorted(p.name for p in out.iterdir())))

@@ -3,8 +3,14 @@ file in it, and checking a directory against it.
 
 `checkpoint.py` writes a step directory and, last of all, its ``manifest.json``::
 
-    {"format": 2, "step": 12, "weights": ["actor", "critic"], "optimizers": ["actor"],
-     "extra": true, "files": {"actor.safetensors": "<sha256 hex>", ...}}
+    {"format": 3, "step": 12, "weights": [], "optimizers": [], "sharded": ["actor", "critic"],
+     "extra": true, "files": {"actor/model/.metadata": "<sha256 hex>", ...}}
+
+``sharded`` lists the models saved as per-rank shards (a directory per model, `shards.py`);
+``weights`` and ``optimizers`` the ones saved whole (``<name>.safetensors``,
+``<name>.optim.pt``: what every checkpoint held before format 3, still written by callers that
+hand `save_checkpoint` whole state dicts). ``files`` covers every file, those in the model
+directories too, by its path relative to the step directory.
 
 The manifest does two jobs. Its presence marks a directory as complete (it is written last),
 and its checksums let a load notice a file that changed after the save: edited in place,
@@ -30,11 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from avrid.ppo.outputs.outdir import write_file
+from avrid.ppo.outputs.shards import METADATA, MODEL_DIR, OPTIM_DIR
 
-FORMAT_VERSION = 2
-"""Bumped when the layout changes; `load_checkpoint` refuses versions it does not know."""
-READABLE_FORMATS = (1, 2)
-"""Formats `load_checkpoint` reads. Format 1 had no checksums: its files load unverified."""
+FORMAT_VERSION = 3
+"""Bumped when the layout changes; `load_checkpoint` refuses versions it does not know (so an
+avrid older than sharded checkpoints refuses a format-3 one, naming the format)."""
+READABLE_FORMATS = (1, 2, 3)
+"""Formats `load_checkpoint` reads. Format 1 had no checksums: its files load unverified.
+Format 2 (whole weights, per-rank optimizer states, no ``sharded``) still resumes."""
 
 
 def sha256_file(path: Path) -> str:
@@ -48,7 +57,7 @@ def sha256_file(path: Path) -> str:
 
 
 def write_manifest(directory: Path, *, step: int, weights: Iterable[str],
-                   optimizers: Iterable[str], extra: bool) -> None:
+                   optimizers: Iterable[str], extra: bool, sharded: Iterable[str] = ()) -> None:
     """Write ``manifest.json`` into `directory`, recording the sha256 of every file in it.
 
     Call it last, once every other file is written and fsynced: the files are hashed as they
@@ -60,10 +69,13 @@ def write_manifest(directory: Path, *, step: int, weights: Iterable[str],
         weights: the model names with a ``<name>.safetensors`` file.
         optimizers: the optimizer names with a ``<name>.optim.pt`` file.
         extra: whether an ``extra.pt`` file is there.
+        sharded: the model names with a ``<name>/`` directory of per-rank shards.
     """
-    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir())}
+    files = {p.relative_to(directory).as_posix(): sha256_file(p)
+             for p in sorted(directory.rglob("*")) if p.is_file()}
     manifest = {"format": FORMAT_VERSION, "step": step, "weights": sorted(weights),
-                "optimizers": sorted(optimizers), "extra": extra, "files": files}
+                "optimizers": sorted(optimizers), "sharded": sorted(sharded), "extra": extra,
+                "files": files}
     write_file(directory / "manifest.json",
                lambda p: p.write_text(json.dumps(manifest, indent=1)))
 
@@ -81,7 +93,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if type(version) is not int or version not in READABLE_FORMATS:
         raise ValueError(f"{path / 'manifest.json'}: format {version!r}, this code reads "
                          f"formats {', '.join(map(str, READABLE_FORMATS))}")
-    shapes = {"step": int, "weights": list, "optimizers": list, "extra": bool}
+    if version < 3:  # written before sharded checkpoints: every model saved whole
+        manifest.setdefault("sharded", [])
+    shapes = {"step": int, "weights": list, "optimizers": list, "sharded": list, "extra": bool}
     if wrong := [k for k, kind in shapes.items() if not isinstance(manifest.get(k), kind)]:
         raise ValueError(f"{path / 'manifest.json'} is malformed: {', '.join(wrong)} missing "
                          f"or of the wrong type")
@@ -128,6 +142,8 @@ def _listed_files(manifest: Mapping[str, Any]) -> list[str]:
     """The files a manifest says its directory holds."""
     return ([f"{m}.safetensors" for m in manifest["weights"]]
             + [f"{o}.optim.pt" for o in manifest["optimizers"]]
+            + [f"{m}/{part}/{METADATA}" for m in manifest["sharded"]
+               for part in (MODEL_DIR, OPTIM_DIR)]  # DCP's index of each part's shards
             + ["state.json"] + (["extra.pt"] if manifest["extra"] else []))
 
 

@@ -22,18 +22,29 @@ What this file adds around it:
 - `local_shards` / `full_state_dict`: a rank's own shards (what chapter 4's weight sync sends)
   and the whole weights (what a checkpoint stores) — always the fp32 masters;
 - `optimizer_state` / `load_optimizer_state`: AdamW state as plain tensors (picklable, saved
-  per rank) and back into DTensors shaped like the parameters.
+  per rank by checkpoints written before sharding) and back into DTensors shaped like the
+  parameters;
+- `save_shards` / `load_shards`: what a checkpoint stores now — every rank writes its own
+  shards of the model and of AdamW with `torch.distributed.checkpoint` (DCP) and reads them
+  back, nothing gathered (the layout: `avrid.ppo.outputs.shards`).
 
 It does not decide when to sync or save; the workers and the trainer do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
+
+MODEL_DIR, OPTIM_DIR = "model", "optim"
+"""Where `save_shards` puts a model's weights and its optimizer's state under the directory
+it is given; `avrid.ppo.outputs.shards` reads the same names (roles may not import outputs)."""
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -151,3 +162,55 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, A
                 v = v.to(p.device)
             restored[int(key)][name] = v
     optimizer.load_state_dict({"state": restored, "param_groups": state["param_groups"]})
+
+
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                directory: str | Path) -> None:
+    """Write this rank's shards of `model` and `optimizer` under `directory` (created).
+
+    Call on every rank of the role at once: DCP plans the files over the process group (the
+    default one of a Ray worker). The tensors written are the rank's own (FSDP2 shards, the
+    whole parameters of an unsharded model): `get_state_dict`'s default, sharded, form.
+    """
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    directory = Path(directory)
+    weights, optim = get_state_dict(_resharded(model), optimizer)
+    with _dcp_quiet():
+        save(weights, checkpoint_id=directory / MODEL_DIR, no_dist=not _distributed())
+        save(optim, checkpoint_id=directory / OPTIM_DIR, no_dist=not _distributed())
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                directory: str | Path) -> None:
+    """Put the shards `save_shards` wrote back into `model` (sharded as when it was saved)
+    and `optimizer`, every rank at once. Bit-exact: each rank reads its own pieces' bytes."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    directory = Path(directory)
+    model = _resharded(model)
+    weights, optim = get_state_dict(model, optimizer)  # the targets: shapes and placements
+    with _dcp_quiet():
+        load(weights, checkpoint_id=directory / MODEL_DIR, no_dist=not _distributed())
+        load(optim, checkpoint_id=directory / OPTIM_DIR, no_dist=not _distributed())
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+
+
+def _distributed() -> bool:
+    """Whether this process joined a default process group (a Ray worker of a role that has
+    one). A role without one (one fp32 rank; the in-process backend, whose groups are not
+    the default one and which runs dp = 1) saves and loads as a single process."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _dcp_quiet() -> Iterator[None]:
+    """DCP warns on every save and load without a process group that it assumes one process:
+    for a role without a group that is what is meant, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

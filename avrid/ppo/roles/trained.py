@@ -16,11 +16,13 @@ written once, here, in `setup`; a subclass adds only what is its own:
 Parameters and AdamW state are always fp32; `model.dtype` is the compute dtype (bf16 through
 FSDP2's mixed precision, which needs a process group even for one rank; see `fsdp.py`).
 
-The state a checkpoint keeps travels as two frozen messages: `ModelState`, what one rank's
-`state` returns, and `TrainerState`, what the driver (`Trainer.state`) gathers from every
-trained role and `run.save` writes. A checkpoint needs the weights once (after the gather
-they are whole on every rank, so rank 0's copy is enough) but every rank's optimizer state
-(AdamW's moments are sharded like the parameters, each rank holding its 1/dp).
+A checkpoint is written by the ranks themselves: `save_shards` has every rank write its own
+shards of the model and of AdamW into the directory the driver names (`fsdp.py`), and
+`setup` given that directory (a `str`) reads them back after sharding, so no rank ever holds
+the whole model for it and the driver receives no tensor. `state` still gathers the whole
+weights as two frozen messages, `ModelState` (one rank's) and `TrainerState` (the driver's,
+`Trainer.state`): for tests and small models, and for a checkpoint written before sharding
+(whole weights and per-rank optimizer states), which `setup` still restores.
 
 Not here: the losses, the micro-batch loop (`forward.train_shard`), the weight sync, writing
 and reading checkpoints (`checkpoint.py`), and anything the driver decides (when to update,
@@ -84,11 +86,13 @@ class TrainedWorker(Worker, abc.ABC):
         self.dtype: torch.dtype = getattr(torch, config.model.dtype)
         torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
 
-    def setup(self, weights: dict[str, torch.Tensor] | None = None,
+    def setup(self, weights: str | dict[str, torch.Tensor] | None = None,
               optimizer_state: dict | None = None) -> int:
-        """Build the model (or restore it from a checkpoint's `weights` and this rank's
-        `optimizer_state`), shard it, make its AdamW; all ranks at once. Returns the number
-        of parameters."""
+        """Build the model, shard it, make its AdamW; all ranks at once. Returns the number
+        of parameters. Resuming, `weights` is the model's directory of a sharded checkpoint
+        (a `str`: `save_shards` wrote it, every rank reads its own shards, model and AdamW)
+        or, from a checkpoint written before sharding, the full weights with this rank's
+        `optimizer_state`."""
         ident = self.identity
         group = None
         # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
@@ -96,7 +100,7 @@ class TrainedWorker(Worker, abc.ABC):
             group = self.init_distributed("nccl" if self.device == "cuda" else "gloo",
                                           timeout_s=self.config.train.collective_timeout_s)
         model = self._build_model()
-        if weights is not None:  # resuming: the checkpoint's full weights
+        if isinstance(weights, dict):  # resuming from whole weights (an older checkpoint)
             model.load_state_dict(weights, strict=self.strict_load)
         model.to(self.device)
         count = sum(p.numel() for p in model.parameters())
@@ -112,7 +116,9 @@ class TrainedWorker(Worker, abc.ABC):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
                                            weight_decay=self.config.train.weight_decay,
                                            betas=(0.9, 0.99))
-        if optimizer_state is not None:
+        if isinstance(weights, str):  # resuming from shards: into the sharded model
+            fsdp.load_shards(self.model, self.optimizer, weights)
+        elif optimizer_state is not None:
             fsdp.load_optimizer_state(self.optimizer, optimizer_state)
         return count
 
@@ -135,8 +141,14 @@ class TrainedWorker(Worker, abc.ABC):
         if t.lr_warmup_steps > 0 or t.lr_schedule != "constant":
             builder.metric(f"{prefix}/lr", lr, "max")  # the same on every rank
 
+    def save_shards(self, directory: str) -> None:
+        """Write this rank's shards of the model and of AdamW under `directory` (an absolute
+        path every rank reaches); all ranks at once. What a checkpoint stores."""
+        fsdp.save_shards(self.model, self.optimizer, directory)
+
     def state(self) -> ModelState:
-        """Full weights (rank 0 only, others None) and this rank's optimizer state."""
+        """Full weights (rank 0 only, others None) and this rank's optimizer state: one whole
+        fp32 copy of the model per rank (tests, small models); checkpoints use `save_shards`."""
         full = fsdp.full_state_dict(self.model)  # a collective: every rank takes part
         return ModelState(weights=full if self.identity.rank == 0 else None,
                           optimizer=fsdp.optimizer_state(self.optimizer))
@@ -169,6 +181,7 @@ def lr_at(train: TrainConfig, lr: float, step: int) -> float:
     else:  # cosine
         scale = 0.5 * (1.0 + math.cos(math.pi * progress))
     return lr * (train.min_lr_ratio + (1.0 - train.min_lr_ratio) * scale)
+
 
 def checkpoint_activations(model: torch.nn.Module) -> None:
     """Turn on transformers' activation checkpointing of `model`'s decoder layers
