@@ -2,7 +2,8 @@
 ranks, each a subprocess: a save/restore round trip of an FSDP2 model and its AdamW state is
 bit-exact, and a save raises a rank's peak resident memory by less than one full fp32 copy of
 the model (the gather-everything save it replaced, measured the same way, raises it by more);
-and a checkpoint written before sharding (whole weights, format 2) still resumes exactly.
+a checkpoint written before sharding (whole weights, format 2) still resumes exactly; and
+shards inside a checkpoint are atomic and checksummed like its other files.
 
 Not here: the checkpoint directory around the shards (test_ppo_checkpoint.py), a resumed run
 (test_pipeline_resume.py, test_ppo_trainer.py), the export (test_ppo_export.py)."""
@@ -177,3 +178,49 @@ def test_a_checkpoint_written_before_sharding_still_resumes_exactly(tmp_path: Pa
     (step_dir / "manifest.json").write_text(json.dumps({**manifest, "format": 2}))
     resumed = train(tiny(out, "train.steps=4", "train.resume=true"))
     assert algorithmic(resumed.rows)[3:] == algorithmic(full.rows)[3:]
+
+
+def test_shards_ride_in_the_atomic_checkpoint_with_a_checksum_each(tmp_path: Path) -> None:
+    from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
+    from avrid.ppo.outputs.manifest import verify_checkpoint
+    from avrid.ppo.roles.fsdp import load_shards, save_shards
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)  # one process, no process group: DCP's single-process path
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+    def write(tmp: Path) -> list[str]:
+        save_shards(model, opt, tmp / "actor")
+        return ["actor"]
+
+    path = save_checkpoint(tmp_path, 5, state={"step": 5}, write_shards=write)
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert {"actor/model/.metadata", "actor/model/__0_0.distcp", "actor/optim/.metadata",
+            "actor/optim/__0_0.distcp", "state.json"} == set(files)
+    ck = load_checkpoint(tmp_path)
+    assert ck.sharded == {"actor": path / "actor"} and ck.weights == {}
+    other = torch.nn.Linear(4, 3)
+    other_opt = torch.optim.AdamW(other.parameters())
+    load_shards(other, other_opt, ck.sharded["actor"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 other.state_dict().values(), strict=True))
+    assert torch.equal(other_opt.state[other.weight]["exp_avg_sq"],
+                       opt.state[model.weight]["exp_avg_sq"])
+
+    def broken(tmp: Path) -> list[str]:  # a rank failed midway: nothing may be left
+        save_shards(model, opt, tmp / "actor")
+        raise RuntimeError("rank 1 died")
+
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        save_checkpoint(tmp_path, 6, state={"step": 6}, write_shards=broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000005"]
+
+    shard = path / "actor" / "optim" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated
+    with pytest.raises(ValueError, match="actor/optim/__0_0.distcp"):
+        verify_checkpoint(path)
+    with pytest.raises(ValueError, match="actor/optim/__0_0.distcp"):
+        load_checkpoint(path)
+    load_checkpoint(path, training_state=False)  # an export reads the weights only
