@@ -111,7 +111,7 @@ class Trainer:
 
     def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
               step: int = 0, pipeline_state: dict | None = None) -> None:
-        """Start the workers and build (or restore, from a checkpoint's pieces) the models;
+        """Start the workers and build (or restore: `saving.resume_weights`) the models;
         `step`: the step the run (re)starts at (what the weights have been trained for).
         `pipeline_state` is chapter 6's (`pipeline_state()`); this loop has none."""
         if pipeline_state is not None:
@@ -163,8 +163,8 @@ class Trainer:
         return None
 
     def state(self) -> TrainerState:
-        """Every trained model's full weights and each of its ranks' optimizer states, for a
-        checkpoint. A collective: every rank of the trained groups takes part."""
+        """Every trained model's full weights and each of its ranks' optimizer states (tests;
+        checkpoints are sharded: `saving.write_shards`). A collective over the trained groups."""
         trained = [("actor", self.policy)] + ([] if self.critic is None
                                               else [("critic", self.critic)])
         states = {name: group.call(TrainedWorker.state) for name, group in trained}
