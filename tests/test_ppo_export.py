@@ -28,6 +28,7 @@ from avrid.ppo.outputs import export as export_module
 from avrid.ppo.outputs.checkpoint import load_checkpoint, save_checkpoint
 from avrid.ppo.outputs.export import CHAR_TOKENIZER_FILE, WEIGHTS_FILE, export_checkpoint
 from avrid.ppo.outputs.shards import read_model_weights
+from avrid.ppo.roles import fsdp
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.config_file import config_to_dict
 from avrid.ppo.setup.overrides import with_overrides
@@ -55,12 +56,22 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def hand_checkpoint(root: Path, config: PPOConfig, policy: torch.nn.Module) -> Path:
-    """A checkpoint as `run.save` writes it, without training and without the tokenizer
-    record (as from before export existed: the export rebuilds the tokenizer from the config)."""
+def hand_checkpoint(root: Path, config: PPOConfig, policy: torch.nn.Module, *,
+                    sharded: bool = True) -> Path:
+    """A checkpoint as `saving.save` writes it (the actor's shards, here from one process),
+    without training and without the tokenizer record (as from before export existed: the
+    export rebuilds the tokenizer from the config); `sharded=False`: whole weights, as a
+    checkpoint written before sharding holds them."""
     state = {"step": 7, "config": config_to_dict(config)}
-    weights = dict(policy.named_parameters())  # what fsdp.full_state_dict gathers
-    return save_checkpoint(root, 7, weights={"actor": weights}, optimizers={}, state=state)
+    if not sharded:
+        weights = dict(policy.named_parameters())  # what fsdp.full_state_dict gathers
+        return save_checkpoint(root, 7, weights={"actor": weights}, state=state)
+
+    def write(tmp: Path) -> list[str]:
+        fsdp.save_shards(policy, torch.optim.AdamW(policy.parameters()), tmp / "actor")
+        return ["actor"]
+
+    return save_checkpoint(root, 7, state=state, write_shards=write)
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -127,7 +138,8 @@ def test_a_failure_midway_leaves_no_destination(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny(tmp_path / "unused")
     policy = build_tiny_policy(tiny_spec(cfg, DIGITS.vocab_size), seed=0)
-    ckpt = hand_checkpoint(tmp_path / "ckpt", cfg, policy)  # no record: tokenizer rebuilt
+    # No tokenizer record: rebuilt. Whole weights: a checkpoint from before sharding exports.
+    ckpt = hand_checkpoint(tmp_path / "ckpt", cfg, policy, sharded=False)
     exports = tmp_path / "exports"
     exports.mkdir()
     good = export_checkpoint(ckpt, exports / "old").dest
