@@ -4,8 +4,10 @@ Read in this order:
 
 1. placement.py  where each role runs: pools and role specs from the config (chapter 1)
 2. trainer.py    `Trainer`: start the workers, `train_step` (the step as named phases),
-                 validation, `state` for checkpoints
-3. run.py        `train`: the whole run around the trainer — resume, validation cadence,
+                 validation, `state` (the whole weights, for tests)
+3. saving.py     a checkpoint of a running trainer: every rank writes its own shards, the
+                 driver its position and RNG states; what a resume hands `Trainer.start`
+4. run.py        `train`: the whole run around the trainer — resume, validation cadence,
                  metrics, samples, checkpoints, plots, export (what `avrid ppo` calls)
-4. stopping.py   Ctrl-C and a scheduler's SIGTERM stop a run alike (what `avrid ppo` sets)
+5. stopping.py   Ctrl-C and a scheduler's SIGTERM stop a run alike (what `avrid ppo` sets)
 """
