@@ -3,7 +3,7 @@ leaves a half-written one behind, and checked on load so a damaged one is never 
 
 The trained models are saved sharded: `save_checkpoint` calls `write_shards` with the
 temporary step directory, and the driver has every rank of each trained role write its own
-shards of the model and of AdamW there (`shards.py`); no tensor of theirs reaches the driver.
+shards of the model and of AdamW there (`shards.py`): no tensor of theirs reaches the driver.
 The driver hands over the rest itself (data position, RNG states, config); `load_checkpoint`
 gives it back for a resume with the models' shard directories, which the workers read. A
 checkpoint directory looks like this::
@@ -107,7 +107,7 @@ class Checkpoint:
     """What was passed as `optimizers`, per name (loaded onto the CPU)."""
     sharded: dict[str, Path] = field(default_factory=dict)
     """Model name -> its directory of per-rank shards (checksums verified; read them with
-    `shards.load_shards` on every rank, or `shards.read_model_weights` in one process)."""
+    `fsdp.load_shards` on every rank, or `shards.read_model_weights` in one process)."""
     state: dict[str, Any]
     """The JSON state, as saved."""
     extra: dict[str, Any]
@@ -141,8 +141,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *,
         optimizers: per name any `torch.save`-able object, e.g. a list of per-rank optimizer
             state dicts.
         write_shards: called once with the temporary step directory; writes a ``<name>/``
-            directory of shards per model (`shards.save_shards` on every rank) and returns
-            the names. The run's way: `Trainer.write_shards`.
+            directory of shards per model (`fsdp.save_shards` on every rank) and returns
+            the names. The run's way: `driver.saving.write_shards`.
         state: JSON-able driver state (step, data position, config, Python RNG state as ints).
         extra: optional `torch.save`-able mapping for what JSON cannot hold (RNG tensors).
         keep_last: if given (>= 1), afterwards delete older step directories so that only the
