@@ -11,7 +11,9 @@ engine is built and closed inside one test. The hybrid engine's streamed sync
 own loader here. Three tests need CUDA (vLLM has no sleep
 mode on CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep,
 and the level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
-The trainer's side of the log-prob checks is the code training runs (`tests.helpers`).
+The trainer's side of the log-prob checks is the code training runs (`tests.helpers`). With
+top-k/top-p the engine's log-probs are the behaviour policy's: the last two tests check them
+against `TorchEngine`'s own scoring of the same tokens and the cut against vLLM's own.
 """
 
 from __future__ import annotations
@@ -211,3 +213,49 @@ def test_the_hybrid_hand_over_at_level_two_frees_the_weights_and_reloads_them(
     streamed_sync(engine, load_policy(checkpoints["a"]).to(DEVICE), 1 << 20)
     engine.wake(tags=["kv_cache"])
     assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
+
+
+def test_both_engines_give_the_sampled_tokens_the_behaviour_policys_log_prob(
+        engine: VllmEngine, checkpoints: dict[str, Path]) -> None:
+    # One meaning for every engine's log-probs: the probability under the distribution that
+    # was sampled from (softmax at T, cut by top-k then top-p, renormalised). vLLM samples;
+    # TorchEngine's own scoring (`behaviour_logprobs`, which its sampler reports) is run on
+    # vLLM's tokens teacher-forced, since it cannot draw vLLM's tokens with vLLM's RNG.
+    from avrid.ppo.algo.logprobs import logprobs_from_logits
+    from avrid.ppo.engines.torch_engine import behaviour_logprobs
+
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_k=5, top_p=0.9, seed=3)
+    done = engine.generate(PROMPTS, params)
+    policy = load_policy(checkpoints["a"]).to(DEVICE)
+    worst = worst_full = 0.0
+    for prompt, c in zip(PROMPTS, done, strict=True):
+        with torch.no_grad():
+            seq = torch.tensor([prompt + list(c.token_ids)], device=DEVICE)
+            logits = policy(input_ids=seq).logits[0, len(prompt) - 1:-1]
+        tokens = torch.tensor(c.token_ids, device=DEVICE)
+        reported = torch.tensor(c.logprobs, device=DEVICE)
+        worst = max(worst, float((behaviour_logprobs(logits, tokens, params)
+                                  - reported).abs().max()))
+        full = logprobs_from_logits(logits, tokens, params.temperature)  # the old meaning
+        worst_full = max(worst_full, float((full - reported).abs().max()))
+    print(f"behaviour {worst:.1e}, full vocabulary {worst_full:.1e}")
+    assert worst < 1e-4, worst  # fp32 both sides: kernels' summation order only
+    assert worst_full > 1e-2, worst_full  # the truncation matters on this model
+
+
+def test_the_truncation_is_vllms_own() -> None:
+    # `behaviour_logits` against vLLM's PyTorch top-k/top-p (its CPU path), ties included.
+    ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    if not hasattr(ops, "apply_top_k_top_p_pytorch"):
+        pytest.skip("this vLLM has no apply_top_k_top_p_pytorch (renamed or moved)")
+    from avrid.ppo.engines.torch_engine import behaviour_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 512, generator=gen) * 3
+    logits[:8, :40] = logits[:8, :1]  # rows with many tokens tied at the top
+    for top_k, top_p in ((5, 1.0), (0, 0.9), (5, 0.9), (50, 0.3)):
+        params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=top_k, top_p=top_p)
+        k = torch.full((64,), top_k, dtype=torch.long) if top_k else None
+        p = torch.full((64,), top_p, dtype=torch.float32) if top_p < 1 else None
+        want = ops.apply_top_k_top_p_pytorch(logits.clone() / torch.tensor(0.7), k, p)
+        assert torch.equal(behaviour_logits(logits, params), want), (top_k, top_p)
