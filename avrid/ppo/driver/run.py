@@ -83,7 +83,7 @@ from avrid.ppo.setup.tokenizer import response_text
 SCHEDULE_FIELDS = ("steps", "resume", "resume_from", "progress", "val_every",
                    "checkpoint_every", "keep_checkpoints", "out_dir", "samples_per_step",
                    "tensorboard", "wandb_project", "wandb_name", "wandb_mode", "call_timeout_s",
-                   "setup_timeout_s", "collective_timeout_s")
+                   "setup_timeout_s", "collective_timeout_s", "gradient_checkpointing")
 """`train` fields a resumed run may change; any other difference is refused."""
 WHERE_FIELDS = ("ray_address", "strategy")
 """`placement` fields a resumed run may change too: where it runs, not what it computes."""

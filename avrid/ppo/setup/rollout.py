@@ -45,11 +45,14 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (log-probs are of softmax(logits / temperature))."""
     top_k: int = 0
-    """Sample among the k most likely tokens only; 0 = off."""
+    """Sample among the k most likely tokens only; 0 = off. The engines report the behaviour
+    policy's log-probs (renormalised over the kept tokens), the trainer's stay over the full
+    vocabulary: `rollout/logprob_gap` then also holds -log(mass kept)."""
     top_p: float = 1.0
     """Nucleus sampling: sample among the most likely tokens whose mass reaches top_p; 1.0 =
-    off. The trainer's log-probs stay over the full vocabulary, so with top_p < 1 the ratio
-    of the first update is no longer exactly 1 (see `rollout/logprob_gap`)."""
+    off. As with top_k, the engines report log-probs renormalised over the nucleus and the
+    trainer's stay over the full vocabulary, so the ratio of the first update is no longer
+    exactly 1 and `rollout/logprob_gap` also holds -log(mass kept)."""
     val_greedy: bool = True
     """Validation decodes greedily (the reward the trained policy gets, without sampling luck)."""
     gpu_memory_utilization: float | None = None
