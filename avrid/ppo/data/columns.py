@@ -1,12 +1,14 @@
 """Chapter 5 — from a packed micro-batch to model inputs and back.
 
-Dispatch moves packed rows (chapter 2); a transformers model wants a right-padded
-(n, longest) tensor. This file does the two conversions every worker needs:
+Dispatch moves packed rows (chapter 2); the model runs them packed too. This file does the
+two conversions every worker needs:
 
-- `model_inputs(batch)`: ``input_ids``/``attention_mask``/``position_ids`` for the full
-  sequences (prompt + response) and, for the response tokens, where their predicting logits
-  sit: token j of a response is at position ``P + j`` and is predicted by the logits at
-  ``P + j - 1``. Position ids start at 0 at each row's first token, like the rollout engine's.
+- `model_inputs(batch)`: the micro-batch's full sequences (prompt + response) as model
+  inputs and, for the response tokens, where their predicting logits sit: token j of a
+  response is at position ``P + j`` of its sequence and is predicted by the logits at
+  ``P + j - 1``. Two layouts: `packed_inputs`, one row of the real tokens (no padding: the
+  position ids restarting at 0 mark the sequences), and `padded_inputs`, right-padded
+  (n, longest); `PACK_SEQUENCES` picks the one training runs (see there why padded, today);
 - `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
 
 Every tensor made here is made on the batch's own device: a worker moves its micro-batch to
@@ -27,30 +29,90 @@ from avrid.dispatch import Batch, Packed
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelInputs:
-    """A right-padded micro-batch ready for ``model(input_ids, attention_mask, position_ids)``."""
+    """A micro-batch ready for ``model(input_ids, attention_mask, position_ids)``: one packed
+    row (`packed_inputs`) or right-padded (n, L) rows (`padded_inputs`)."""
 
     input_ids: torch.Tensor
-    """(n, L) int64, L = the longest prompt + response; padding holds `pad_id`."""
+    """(1, N) int64, N = the micro-batch's real tokens, packed; or (n, L) right-padded with
+    `pad_id`, L = the longest prompt + response."""
     attention_mask: torch.Tensor
-    """(n, L) int64, 1 on real tokens."""
+    """Shaped like `input_ids`, int64, 1 on real tokens: all ones when packed (the model is
+    then called without it and reads the sequence boundaries from `position_ids` restarting
+    at 0: a block-diagonal causal mask; `forward.run_model`)."""
     position_ids: torch.Tensor
-    """(n, L) int64, 0.. on real tokens (padding repeats 0; it is never attended to)."""
+    """Shaped like `input_ids`: 0.. from each sequence's first token (padding repeats 0)."""
     logit_index: torch.Tensor
-    """(n, T) int64, T = longest response: for response token j, the position whose logits
-    predict it (P + j - 1); padding points at 0."""
+    """(n, T) int64, T = longest response: for response token j of row i, where its
+    predicting logits sit (prompt_len + j - 1 within the row; plus the row's offset in the
+    packed row); padding points at 0."""
     response_ids: torch.Tensor
     """(n, T) int64 response tokens, right-padded with `pad_id`."""
     response_mask: torch.Tensor
     """(n, T) float32, 1 on real response tokens."""
 
 
+PACK_SEQUENCES = False
+"""Whether training runs `packed_inputs` (True) or `padded_inputs` (False, today's default).
+
+Packed computes only the real tokens, and its results equal the padded ones up to float
+summation order (tests/test_ppo_packed_logprobs.py). It is off by default because that order
+is not bit-identical: two IDENTICAL responses of a GRPO group then get log-probs (and KL
+terms) that differ in the last bits, where the padded layout gives them the same bits, and a
+group whose scores are otherwise all equal divides those differences by its tiny standard
+deviation. On the recorded golden run that moved one metric (GRPO step 20 actor/loss,
+-0.0120 -> -0.0148) outside tests/test_ppo_golden.py's tolerance, every other metric within
+2e-4 relative. To be wired to a config key (``train.pack_sequences``)."""
+
+
 def model_inputs(batch: Batch, pad_id: int) -> ModelInputs:
-    """Right-pad `batch.packed["tokens"]` (prompt + response per row) for a forward pass.
+    """The micro-batch in the layout training runs: `packed_inputs` when `PACK_SEQUENCES`,
+    else `padded_inputs`. Every trainer forward (log-probs, reference, values, both updates)
+    builds its inputs here."""
+    return packed_inputs(batch, pad_id) if PACK_SEQUENCES else padded_inputs(batch, pad_id)
+
+
+def packed_inputs(batch: Batch, pad_id: int) -> ModelInputs:
+    """`batch.packed["tokens"]` (prompt + response per row) as ONE packed row, no padding.
+
+    The rows are concatenated as they travel (a `Packed` column's values already are) and the
+    position ids restart at 0 on each row's first token: transformers reads the boundaries
+    from them when no attention mask is given and masks attention block-diagonally
+    (`masking_utils.find_packed_sequence_indices`; flash-attn's varlen kernel on CUDA). So a
+    micro-batch computes exactly its `micro_batch_tokens`, never a padded (n, longest) grid.
 
     Example:
         >>> b = Batch.from_rows(sample_ids=[0, 1], prompt_lens=[2, 1], response_lens=[1, 2],
         ...     packed={"tokens": [torch.tensor([5, 6, 7]), torch.tensor([5, 8, 9])]})
-        >>> x = model_inputs(b, pad_id=0)
+        >>> x = packed_inputs(b, pad_id=0)
+        >>> x.position_ids.tolist(), x.logit_index.tolist(), x.response_ids.tolist()
+        ([[0, 1, 2, 0, 1, 2]], [[1, 0], [3, 4]], [[7, 0], [8, 9]])
+    """
+    tokens = batch.packed["tokens"]
+    total, starts = tokens.lengths, tokens.offsets[:-1]
+    device = total.device
+    n_tokens = int(tokens.offsets[-1]) if len(batch) else 0
+    row = torch.repeat_interleave(torch.arange(len(batch), device=device), total)
+    position_ids = torch.arange(n_tokens, device=device) - starts[row]
+    input_ids = tokens.values.to(torch.int64)
+    resp_mask = response_mask(batch)
+    steps = torch.arange(resp_mask.shape[1], device=device)
+    # The same place as `padded_inputs`' logit_index, shifted by where the row starts.
+    within = batch.prompt_lens[:, None] - 1 + steps
+    logit_index = (starts[:, None] + within) * resp_mask.long()
+    response_ids = torch.where(resp_mask.bool(), input_ids[logit_index + 1], pad_id)
+    return ModelInputs(input_ids=input_ids[None], attention_mask=torch.ones_like(input_ids)[None],
+                       position_ids=position_ids[None], logit_index=logit_index,
+                       response_ids=response_ids, response_mask=resp_mask)
+
+
+def padded_inputs(batch: Batch, pad_id: int) -> ModelInputs:
+    """The micro-batch right-padded to (n, longest): it computes n x longest tokens, of which
+    only the real ones count (the packed layout's reference in the tests).
+
+    Example:
+        >>> b = Batch.from_rows(sample_ids=[0, 1], prompt_lens=[2, 1], response_lens=[1, 2],
+        ...     packed={"tokens": [torch.tensor([5, 6, 7]), torch.tensor([5, 8, 9])]})
+        >>> x = padded_inputs(b, pad_id=0)
         >>> x.logit_index.tolist(), x.response_ids.tolist()
         ([[1, 0], [0, 1]], [[7, 0], [8, 9]])
     """

@@ -2,9 +2,10 @@
 
 What a policy or critic worker does with a shard, as functions of (model, micro-batch):
 
-- `response_logprobs`: one full-sequence forward, then the log-prob of every response token
-  (and its entropy) — the "old log-probs", the reference log-probs and, with grad, the
-  log-probs inside the PPO loss;
+- `response_logprobs`: one forward over the micro-batch (`columns.model_inputs`), then
+  the log-prob of every response token (and its entropy), the output projection run over the
+  response positions only, in chunks (`logprobs.chunked_logprobs`) — the "old log-probs",
+  the reference log-probs and, with grad, the log-probs inside the PPO loss;
 - `response_values`: the critic's value at the position that predicts each response token;
 - `train_shard`: the one loop both updates share — zero grads, forward/backward every
   micro-batch with the loss weighted by GLOBAL denominators (`losses.token_weights`), clip
@@ -24,12 +25,15 @@ and `roles/critic.py`. Nothing here talks to Ray or knows which rank it is.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+from transformers.utils import ModelOutput
 
 from avrid.dispatch import Batch, Shard
-from avrid.ppo.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from avrid.ppo.algo.logprobs import chunked_logprobs
 from avrid.ppo.algo.losses import token_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, sample_loss_mask
 from avrid.results import ResultBuilder
@@ -42,41 +46,125 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+LOGPROB_CHUNK = 512
+"""Response positions per chunk of `chunked_logprobs`: the trainer holds (this x vocab)
+logits at a time (fp32: 0.3 GB at Qwen2.5's 152k vocabulary), never (tokens x vocab)."""
+
+
 def forward(model: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
-    """The model's (n, L, out) logits for a micro-batch.
+    """The model's (n, L, out) output, one right-padded row per sequence (L = the longest;
+    the padding's entries mean nothing), whichever layout `x` has: a packed row is cut back
+    into its sequences. For checks and tests: training never asks for a vocabulary-wide
+    output of every token (`response_logprobs`, `response_values`).
+    """
+    out = run_model(model, x).logits
+    if x.input_ids.shape[-1] == 0:  # the one-token stand-in of `run_model`: zero rows of it
+        return out[:0, :0]
+    if len(out) == len(x.logit_index):  # already one row per sequence
+        return out
+    positions = x.position_ids[0]
+    row = torch.cumsum(positions == 0, 0) - 1  # each sequence starts at position 0
+    rows = torch.zeros((len(x.logit_index), int(positions.max()) + 1, out.shape[-1]),
+                       dtype=out.dtype, device=out.device)
+    return rows.index_put((row, positions), out[0])
+
+
+def run_model(model: torch.nn.Module, x: ModelInputs, **kwargs) -> ModelOutput:
+    """The model's output for a micro-batch (packed: one row, no attention mask); `kwargs`
+    go to the model (e.g. ``output_hidden_states``).
 
     An empty micro-batch (a rank whose shard is smaller than its peers', or empty) still runs
-    the model, on one token, and returns zero rows cut from that output. Under FSDP every
-    rank must take part in each layer's all-gather, and in training in its gradient
-    reduce-scatter: a rank that skipped the forward pass would leave its peers waiting in a
-    collective. Its loss is a sum over no tokens, 0 with a graph behind it, so its backward
-    runs every collective and adds nothing to the gradient (zero-weight work).
+    the model, on one token, and its callers cut zero rows from that output
+    (`_at_responses`). Under FSDP every rank must take part in each layer's all-gather, and
+    in training in its gradient reduce-scatter: a rank that skipped the forward pass would
+    leave its peers waiting in a collective. Its loss is a sum over no tokens, 0 with a graph
+    behind it, so its backward runs every collective and adds nothing to the gradient
+    (zero-weight work).
     """
-    if len(x.input_ids) == 0:
+    if x.input_ids.shape[-1] == 0:
         one = torch.zeros((1, 1), dtype=torch.int64, device=x.input_ids.device)
-        out = model(input_ids=one, attention_mask=torch.ones_like(one), position_ids=one,
-                    use_cache=False).logits
+        return model(input_ids=one, position_ids=one, use_cache=False, **kwargs)
+    # A mask without padding says nothing: left out, transformers reads packed sequences
+    # from the position ids restarting at 0 (`masking_utils.find_packed_sequence_indices`)
+    # and masks attention block-diagonally (eager/sdpa; flash-attn 2's varlen kernel when
+    # the model was loaded with attn_implementation="flash_attention_2").
+    mask = None if bool(x.attention_mask.all()) else x.attention_mask
+    return model(input_ids=x.input_ids, attention_mask=mask, position_ids=x.position_ids,
+                 use_cache=False, **kwargs)
+
+
+def _at_responses(out: torch.Tensor, x: ModelInputs) -> torch.Tensor:
+    """(n, T, ...) entries of a per-token model output (batch, L, ...) at `x.logit_index`."""
+    if x.input_ids.shape[-1] == 0:  # the one-token stand-in of `run_model`: zero rows of it
         return out[:0, :0]
-    return model(input_ids=x.input_ids, attention_mask=x.attention_mask,
-                 position_ids=x.position_ids, use_cache=False).logits
+    if len(out) == 1:  # one packed row (or a single padded one): indices into that row
+        return out[0][x.logit_index]
+    rows = torch.arange(len(x.logit_index), device=out.device)[:, None]
+    return out[rows, x.logit_index]
 
 
 def response_logprobs(model: torch.nn.Module, x: ModelInputs, temperature: float, *,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(n, T) log-probs of the response tokens (and (n, T) entropies if asked)."""
-    logits = forward(model, x)
-    # Only the positions that predict response tokens: (n, T, vocab), not (n, L, vocab).
-    index = x.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    picked = logits.gather(1, index)
-    logp = logprobs_from_logits(picked, x.response_ids, temperature)
-    entropy = entropy_from_logits(picked, temperature) if with_entropy else None
-    return logp, entropy
+                      with_entropy: bool = False,
+                      chunk: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n, T) log-probs of the response tokens (and (n, T) entropies if asked; 0 on padding).
+
+    The model runs once as a whole (its own ``__call__``, so FSDP2's hooks gather and free
+    its weights as usual) and returns its final hidden states; its logits are asked for one
+    position only (``logits_to_keep=1``). The output projection then runs over the response
+    positions only, `chunk` at a time (`chunked_logprobs`), as the module the model holds
+    (``get_output_embeddings()``; tied to the embedding for Qwen2.5-0.5B, used as it is).
+    FSDP2 does not reshard its root module after a forward, so that projection's weight is
+    the gathered one until backward, where the root's gradient reduction happens last.
+    """
+    with _quiet_fsdp_view_warning(model):
+        out = run_model(model, x, output_hidden_states=True, logits_to_keep=1)
+    # The last entry is the final norm's output (transformers ties it to last_hidden_state).
+    hidden = _at_responses(out.hidden_states[-1], x)
+    valid = x.response_mask.bool()
+    head = model.get_output_embeddings()
+    if valid.any():
+        logp, ent = chunked_logprobs(hidden[valid], head, x.response_ids[valid], temperature,
+                                     chunk=chunk, with_entropy=with_entropy)
+    else:
+        # Still through the head, on one position cut to none: under FSDP every rank's
+        # backward must reach the same parameters (a gradient of zeros here).
+        stand_in = out.hidden_states[-1][0, :1]
+        zero = torch.zeros(1, dtype=torch.int64, device=stand_in.device)
+        logp, ent = chunked_logprobs(stand_in, head, zero, temperature, chunk=chunk,
+                                     with_entropy=with_entropy)
+        logp, ent = logp[:0], (ent[:0] if ent is not None else None)
+    return _unpacked(logp, valid), (_unpacked(ent, valid) if ent is not None else None)
+
+
+@contextmanager
+def _quiet_fsdp_view_warning(model: torch.nn.Module) -> Iterator[None]:
+    """Silence FSDP2's "returned a view tensor" warning for this call only, on an FSDP2 model.
+
+    With ``output_hidden_states`` the model also returns the embedding's output, which FSDP2
+    hands over as a view; its warning is about in-place ops on such outputs, and nothing here
+    writes to any of them (the hidden states are only indexed). A plain module (dp = 1 fp32,
+    the reference) warns nothing and changes no warning filter.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        yield
+
+
+def _unpacked(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(R,) values of the valid positions -> (n, T), 0 elsewhere (keeps the graph)."""
+    full = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
+    return full.index_put((valid,), values)
 
 
 def response_values(critic: torch.nn.Module, x: ModelInputs) -> torch.Tensor:
     """(n, T) values V(s_t) at the positions that predict each response token."""
-    out = forward(critic, x).squeeze(-1).float()
-    return out.gather(1, x.logit_index)
+    out = run_model(critic, x).logits.squeeze(-1).float()
+    return _at_responses(out, x)
 
 
 LossFn = Callable[[ModelInputs, Batch, torch.Tensor, ResultBuilder], torch.Tensor]

@@ -152,6 +152,9 @@ class PolicyWorker(TrainedWorker):
             for mb in shard.micro_batches():
                 with builder.span(name):
                     x = model_inputs(mb.to(device), self.pad_id)
+                    # The actor's entropy feeds the `actor/entropy` metric: computed chunk by
+                    # chunk with the log-probs (no (tokens x vocab) tensor), a softmax per
+                    # chunk more; the reference pass has no use for it and skips it.
                     logp, ent = response_logprobs(model, x, self.config.rollout.temperature,
                                                   with_entropy=not reference)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
