@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_critic, build_tiny_policy
 from avrid.ppo.roles.trained import checkpoint_activations
 from avrid.ppo.setup.config import ModelConfig, PPOConfig, TrainConfig
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -163,7 +163,7 @@ def test_checkpointing_lowers_the_peak_memory_of_a_backward_pass() -> None:
     # Each setting in a fresh process, the peak RSS above the RSS before the forward pass;
     # glibc returns every large tensor to the system (mmap above 1 MiB), so the peak is the
     # tensors' and not the allocator's caching.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    env = child_env(MALLOC_MMAP_THRESHOLD_="1048576")
     used = {}
     for setting in ("off", "on"):
         out = subprocess.run([sys.executable, "-c", MEASURE, setting], env=env, check=True,

@@ -138,9 +138,11 @@ def main() -> int:
         ok &= check(f"validation reward went up: {before:.3f} -> {after:.3f}", after > before)
         ok &= check("the weight sync moved bytes every step",
                     all(r["sync/bytes_per_rank"] > 0 for r in rows))
-        ok &= check("the checkpoint holds actor and critic weights and optimizers",
-                    all((ckpt / f).is_file() for f in ("manifest.json", "actor.safetensors",
-                                                       "critic.safetensors", "state.json")))
+        ok &= check("the checkpoint holds actor and critic shards (weights and optimizers)",
+                    all((ckpt / f).is_file() for f in (
+                        "manifest.json", "state.json", "actor/model/.metadata",
+                        "actor/optim/.metadata", "critic/model/.metadata",
+                        "critic/optim/.metadata")))
     finally:
         ray.shutdown()  # the Trainer started Ray in this process; stop it even on error
     print(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'} in "
