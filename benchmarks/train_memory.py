@@ -18,7 +18,9 @@ began: the memory the phase added. Medians over `--repeats` runs.
 
 "today" is `padded_logprobs` below: the code of c30d38c's `forward.response_logprobs`
 (right-padded inputs, full logits, gather, `logprobs_from_logits`, `entropy_from_logits`)
-kept here as the reference. "packed" is the trainer's `forward.response_logprobs` as it is.
+kept here as the reference. "chunked" is the trainer's `forward.response_logprobs` on the
+right-padded inputs (its default layout, `columns.PACK_SEQUENCES` = False); "packed" the
+same on `columns.packed_inputs`.
 
 Also printed: tokens computed / real tokens (packed: the real tokens, exactly; padded:
 n x longest), and each path's logits model — n x L x vocab x 4 bytes today against
@@ -57,11 +59,12 @@ def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"}
     print(f"peak memory a phase adds, MB (median of {args.repeats}); chunk = {args.chunk} "
           f"positions; {N_SAMPLES} samples: prompts {PROMPT}, 6 responses of {SHORT}, 2 of S")
-    print(f"{'vocab':>7} {'S':>4} {'phase':>8} {'today':>8} {'packed':>8} {'ratio':>6}  "
-          f"{'logits today':>12} {'chunk':>6}  {'computed/real today':>19} {'packed':>6}")
+    print(f"{'vocab':>7} {'S':>4} {'phase':>8} {'today':>8} {'chunked':>8} {'ratio':>6} "
+          f"{'packed':>8} {'ratio':>6}  {'logits today':>12} {'chunk':>6}  "
+          f"{'computed/real today':>19} {'packed':>6}")
     for vocab in VOCABS:
         for long in LONG:
-            runs: dict[str, list[dict]] = {"padded": [], "packed": []}
+            runs: dict[str, list[dict]] = {"padded": [], "chunked": [], "packed": []}
             for _ in range(args.repeats):
                 for path in runs:
                     out = subprocess.run(
@@ -70,11 +73,12 @@ def main() -> None:
                         env=env, capture_output=True, text=True, check=True)
                     runs[path].append(json.loads(out.stdout.strip().splitlines()[-1]))
             for phase in ("logprobs", "update"):
-                old = statistics.median(r[phase] for r in runs["padded"]) / 2**20
-                new = statistics.median(r[phase] for r in runs["packed"]) / 2**20
+                old, mid, new = (statistics.median(r[phase] for r in runs[p]) / 2**20
+                                 for p in ("padded", "chunked", "packed"))
                 pad, pack = runs["padded"][0], runs["packed"][0]
-                print(f"{vocab:>7} {long:>4} {phase:>8} {old:>8.0f} {new:>8.0f} "
-                      f"{old / new:>5.1f}x  {pad['logit_bytes'] / 2**20:>10.0f}MB "
+                print(f"{vocab:>7} {long:>4} {phase:>8} {old:>8.0f} {mid:>8.0f} "
+                      f"{old / mid:>5.1f}x {new:>8.0f} {old / new:>5.1f}x  "
+                      f"{pad['logit_bytes'] / 2**20:>10.0f}MB "
                       f"{pack['logit_bytes'] / 2**20:>4.0f}MB  "
                       f"{pad['computed'] / pad['real']:>19.2f} "
                       f"{pack['computed'] / pack['real']:>6.2f}")
@@ -106,7 +110,13 @@ def measure(path: str, vocab: int, long: int, chunk: int) -> dict:
                                     "old_logp": [-torch.rand(r, generator=g) for r in responses],
                                     "advantages": [torch.randn(r, generator=g)
                                                    for r in responses]})
-    if path == "padded":
+    if path == "chunked":  # today's layout with the chunked head (the trainer's default)
+        x = padded_inputs(batch, 0)
+
+        def logprobs(with_entropy: bool):  # noqa: ANN202
+            return response_logprobs(model, x, 1.0, with_entropy=with_entropy, chunk=chunk)
+        logit_bytes = chunk * vocab * 4
+    elif path == "padded":
         x = padded_inputs(batch, 0)
 
         def logprobs(with_entropy: bool):  # noqa: ANN202
