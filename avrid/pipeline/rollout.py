@@ -40,7 +40,7 @@ from avrid.pipeline.transfer import (
     receive_bucket,
 )
 from avrid.ppo.engines.models import initial_policy
-from avrid.ppo.roles.generation import build_engine, close_engine, engine_sink, generate_shard
+from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import TransferPlan
 from avrid.reshard.engines import WeightSink
@@ -122,7 +122,7 @@ class RolloutWorker(Worker):
             self._transfer.leave()
             self._transfer = None
             raise
-        sink = engine_sink(self.engine)
+        sink = self.engine.sink
         self._load(sink, full)
         sums = sink.checksums(self._layout, 0)  # what the engine now holds
         self.version = version

@@ -47,11 +47,12 @@ whole-tensor fingerprints, so the gather, the buckets, the broadcast and the loa
 checked end to end.
 
 Not here: when to push (the driver: never while a generation is in flight), and loading into
-an engine (`generation.engine_sink`).
+an engine (the engine's `sink`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -142,7 +143,7 @@ def push_buckets(target: ModelLayout, bucket_bytes: int) -> tuple[PushBucket, ..
     pieces: list[Piece] = []
     filled = 0
     for name, p in target.params:
-        numel, start = _numel(p.shape), 0
+        numel, start = math.prod(p.shape), 0
         while start < numel:
             take = min(numel - start, per_bucket - filled)
             pieces.append(Piece(name, start, start + take, filled))
@@ -196,9 +197,3 @@ def receive_bucket(bucket: PushBucket, out: Mapping[str, torch.Tensor], group: P
         out[piece.name].view(-1)[piece.start:piece.stop].copy_(
             flat[piece.offset:piece.offset + piece.stop - piece.start])
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

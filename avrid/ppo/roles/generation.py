@@ -7,7 +7,6 @@ through these functions, so the same seed and weights give the same samples wher
 engine lives — which is what lets a K = 0 pipeline reproduce the synchronous run exactly.
 
     build_engine     TorchEngine (a copy of the model, in `model.dtype`) or VllmEngine
-    engine_sink      where chapter 4's weight transfer writes (`reshard.engines`)
     generate_shard   one response per prompt of a shard, as a chapter 3 `WorkerResult`
     close_engine     stop the engine and remove its scratch directory
 
@@ -29,7 +28,6 @@ from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.ppo.roles import fsdp
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.rollout import gpu_memory_share
-from avrid.reshard.engines import WeightSink
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
@@ -77,12 +75,6 @@ def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
                         seed_mode=config.rollout.seed_mode,
                         kv_cache_bytes=None if mib is None else mib << 20)
     return engine, engine_dir
-
-
-def engine_sink(engine: Any) -> WeightSink:
-    """Where chapter 4's transfer loads full tensors: the engine's `sink` (vLLM's own loader,
-    or the torch model's parameters)."""
-    return engine.sink
 
 
 def generate_shard(engine: Any, shard: Shard, identity: WorkerIdentity, config: PPOConfig, *,
