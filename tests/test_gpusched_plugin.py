@@ -272,6 +272,7 @@ def summary(result: pytest.RunResult) -> dict[str, float]:
     text = result.stdout.str()
     figures = {}
     for key, pattern in [("wall", r"wall ([\d.]+) s"), ("planned", r"planned makespan ([\d.]+) s"),
+                         ("replayed", r"replayed makespan ([\d.]+) s"),
                          ("utilisation", r"utilisation ([\d.]+)%"),
                          ("speedup", r"speed-up ([\d.]+)x"),
                          ("serial", r"serial sum ([\d.]+) s"),
@@ -329,8 +330,13 @@ def test_scheduled_run_end_to_end(suite: pytest.Pytester) -> None:
     figures = summary(second)
     # test_one_c, test_vllm, test_hangs, test_skips_itself: learnt, not declared
     assert figures["cache"] == 4
-    assert figures["wall"] <= 1.1 * figures["planned"], second.stdout.str()
-    assert figures["planned"] <= 1.5 * figures["wall"], second.stdout.str()  # not vacuous
+    # The run keeps to its policy: played over what each test really took, the policy gives
+    # the wall time up to the scheduler's own lag. (Against the plan itself the wall time also
+    # carries the error of the expected durations, which a busy machine moves by 10-20 %: CI
+    # once saw 6.93 s against 6.16 s planned.)
+    assert figures["wall"] <= 1.05 * figures["replayed"] + 0.25, second.stdout.str()
+    # ... and the learnt durations make a plan of the right size, neither way off
+    assert 0.5 * figures["wall"] <= figures["planned"] <= 1.5 * figures["wall"], second.stdout.str()
     assert gone(int((suite.path / "hung.pids").read_text().split()[0]))
 
 

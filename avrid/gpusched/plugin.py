@@ -44,7 +44,7 @@ from avrid.gpusched.plan import simulate
 from avrid.gpusched.report import complete_reports, read_reports, skip_reports
 from avrid.gpusched.runner import KILL_GRACE_S, REPORT_ENV, Child, ChildSpec, omp_threads
 from avrid.gpusched.schedule import Fcfs, Job, LongestFirstBackfill, Scheduler, Start
-from avrid.gpusched.summary import RunStats, run_stats, summary_lines
+from avrid.gpusched.summary import RunStats, measured_times, run_stats, summary_lines
 
 DEFAULT_TIMEOUT_S = 1800.0
 DEFAULT_RETRIES = 1
@@ -242,7 +242,8 @@ class GpuRun:
                 shutil.rmtree(workdir, ignore_errors=True)
             elif failed:  # their tmp_path folders and whole output, for a look after the run
                 self.notes.append(f"the tests' output and tmp_path folders: {workdir}")
-        self.stats = run_stats(attempts, plan, fcfs)
+        replay = simulate(jobs, inventory.gpus, policy, actual=measured_times(attempts))
+        self.stats = run_stats(attempts, plan, fcfs, replay)
         self._raise_if_stopping(session)
 
     def _save(self, durations: Durations, attempts: list[Attempt],
