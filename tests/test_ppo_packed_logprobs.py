@@ -1,7 +1,7 @@
 """Chapter 5 — the trainer's packed, chunked forward computes what the padded, full one did.
 
 The trainer can run each micro-batch as ONE packed row (`columns.packed_inputs`: position
-ids restarting at 0 mark the sequences, no padding; `columns.PACK_SEQUENCES`) and turns
+ids restarting at 0 mark the sequences, no padding; `memory.pack_sequences`) and turns
 hidden states into log-probs a chunk of positions at a time (`logprobs.chunked_logprobs`),
 never holding (tokens x vocab) logits. These tests pin the numerics contract of issue 28,
 in fp32 on CPU:
@@ -26,7 +26,6 @@ import torch
 from avrid.dispatch import Batch, DispatchConfig, Packed, Shard, make_plan
 from avrid.ppo.algo.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from avrid.ppo.algo.losses import policy_loss, value_loss
-from avrid.ppo.data import columns
 from avrid.ppo.data.columns import Totals, model_inputs, packed_inputs, padded, padded_inputs
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_critic, build_tiny_policy
 from avrid.ppo.roles.forward import response_logprobs, response_values
@@ -171,11 +170,11 @@ def test_an_empty_micro_batch_still_reaches_every_parameter() -> None:
 
 # ---- one batch, many ways of cutting it into micro-batches ----------------------------------
 
-def config() -> PPOConfig:
+def config(pack: bool) -> PPOConfig:
     return with_overrides(PPOConfig(), [
         "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
         "model.hidden_size=32", "model.num_heads=2", "train.grad_clip=1e9",
-        "algo.kl_coef=0.0", "algo.entropy_coef=0.01"])
+        "algo.kl_coef=0.0", "algo.entropy_coef=0.01", f"memory.pack_sequences={pack}"])
 
 
 def cuts(batch: Batch) -> dict[str, Shard]:
@@ -191,11 +190,12 @@ def cuts(batch: Batch) -> dict[str, Shard]:
     return out
 
 
-def logprobs_by_sample(model: torch.nn.Module, shard: Shard) -> dict[int, torch.Tensor]:
+def logprobs_by_sample(model: torch.nn.Module, shard: Shard, *,
+                       pack: bool) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
         for mb in shard.micro_batches():
-            x = model_inputs(mb, PAD)
+            x = model_inputs(mb, PAD, packed=pack)
             logp, _ = response_logprobs(model, x, 1.0, chunk=4)
             for i, sid in enumerate(mb.sample_ids.tolist()):
                 out[sid] = logp[i, :int(mb.response_lens[i])]
@@ -204,16 +204,16 @@ def logprobs_by_sample(model: torch.nn.Module, shard: Shard) -> dict[int, torch.
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_token_budget_and_micro_batch_size_change_no_logprob_and_no_update(
-        pack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Both layouts the trainer can run (`columns.PACK_SEQUENCES`), through the real worker.
-    monkeypatch.setattr(columns, "PACK_SEQUENCES", pack)
-    cfg, batch = config(), make_batch()
+        pack: bool) -> None:
+    # Both layouts the trainer can run (`memory.pack_sequences`), through the real worker.
+    cfg, batch = config(pack), make_batch()
     shards = cuts(batch)
     assert len({tuple(s.micro_bounds) for s in shards.values()}) == len(shards)  # all differ
     model = build_tiny_policy(SPEC, seed=0)
-    ref = logprobs_by_sample(model, Shard(index=0, batch=batch, micro_bounds=(0, len(batch))))
+    ref = logprobs_by_sample(model, Shard(index=0, batch=batch, micro_bounds=(0, len(batch))),
+                             pack=pack)
     for name, shard in shards.items():
-        got = logprobs_by_sample(model, shard)
+        got = logprobs_by_sample(model, shard, pack=pack)
         worst = max(float((got[s] - ref[s]).abs().max()) for s in ref)
         assert worst < 1e-6, (name, worst)
 

@@ -8,7 +8,7 @@ two conversions every worker needs:
   response is at position ``P + j`` of its sequence and is predicted by the logits at
   ``P + j - 1``. Two layouts: `packed_inputs`, one row of the real tokens (no padding: the
   position ids restarting at 0 mark the sequences), and `padded_inputs`, right-padded
-  (n, longest); `PACK_SEQUENCES` picks the one training runs (see there why padded, today);
+  (n, longest); `memory.pack_sequences` picks the one training runs (packed by default);
 - `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
 
 Every tensor made here is made on the batch's own device: a worker moves its micro-batch to
@@ -51,24 +51,18 @@ class ModelInputs:
     """(n, T) float32, 1 on real response tokens."""
 
 
-PACK_SEQUENCES = False
-"""Whether training runs `packed_inputs` (True) or `padded_inputs` (False, today's default).
+def model_inputs(batch: Batch, pad_id: int, *, packed: bool = True) -> ModelInputs:
+    """The micro-batch in the layout training runs (`memory.pack_sequences`): `packed_inputs`
+    (the default) or `padded_inputs`. Every trainer forward (log-probs, reference, values,
+    both updates) builds its inputs here.
 
-Packed computes only the real tokens, and its results equal the padded ones up to float
-summation order (tests/test_ppo_packed_logprobs.py). It is off by default because that order
-is not bit-identical: two IDENTICAL responses of a GRPO group then get log-probs (and KL
-terms) that differ in the last bits, where the padded layout gives them the same bits, and a
-group whose scores are otherwise all equal divides those differences by its tiny standard
-deviation. On the recorded golden run that moved one metric (GRPO step 20 actor/loss,
--0.0120 -> -0.0148) outside tests/test_ppo_golden.py's tolerance, every other metric within
-2e-4 relative. To be wired to a config key (``train.pack_sequences``)."""
-
-
-def model_inputs(batch: Batch, pad_id: int) -> ModelInputs:
-    """The micro-batch in the layout training runs: `packed_inputs` when `PACK_SEQUENCES`,
-    else `padded_inputs`. Every trainer forward (log-probs, reference, values, both updates)
-    builds its inputs here."""
-    return packed_inputs(batch, pad_id) if PACK_SEQUENCES else padded_inputs(batch, pad_id)
+    Packed computes only the real tokens; its results equal the padded ones up to float
+    summation order (tests/test_ppo_packed_logprobs.py). Not bit for bit: a padded row's sums
+    run over its own length, a packed row's kernels see the whole micro-batch, so two
+    IDENTICAL responses of a GRPO group can get log-probs that differ in the last bits where
+    the padded layout gives them the same ones.
+    """
+    return packed_inputs(batch, pad_id) if packed else padded_inputs(batch, pad_id)
 
 
 def packed_inputs(batch: Batch, pad_id: int) -> ModelInputs:

@@ -20,6 +20,7 @@ math (`logprobs`), optimisers, FSDP wrapping, tokenizers.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,6 +228,22 @@ def pad_left(prompts: Sequence[Sequence[int]],
     # Count real tokens from 0 (the trainer's numbering); pads get 0, they are never attended.
     positions = (mask.cumsum(-1) - 1).clamp(min=0) * mask
     return ids, mask, positions
+
+
+def trainer_attention(choice: str, device: str) -> str:
+    """The attention kernel the trained models run for `memory.attention` = `choice` on
+    `device`: "auto" is flash-attn 2 on CUDA where the package is installed (its varlen kernel
+    takes packed rows as they are), else PyTorch's SDPA; any other choice is itself.
+
+    Example:
+        >>> trainer_attention("auto", "cpu"), trainer_attention("eager", "cpu")
+        ('sdpa', 'eager')
+    """
+    if choice != "auto":
+        return choice
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def tiny_spec(config: PPOConfig, vocab_size: int) -> TinyModelSpec:

@@ -61,7 +61,8 @@ class CriticWorker(TrainedWorker):
         with torch.no_grad():
             for mb in shard.micro_batches():
                 with builder.span("values"):
-                    x = model_inputs(mb.to(device), self.pad_id)
+                    x = model_inputs(mb.to(device), self.pad_id,
+                                     packed=self.config.memory.pack_sequences)
                     values = response_values(self.model, x)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={"values": values})
                 builder.metric("critic/values", values[x.response_mask.bool()], "mean_tokens")
@@ -87,6 +88,7 @@ class CriticWorker(TrainedWorker):
             return (out.per_token * w).sum()
 
         train_shard(self.model, self.optimizer, shard, builder, loss_fn, pad_id=self.pad_id,
+                    packed=self.config.memory.pack_sequences,
                     agg=a.loss_agg, totals=totals, world_size=self.identity.world_size,
                     grad_clip=self.config.train.grad_clip, prefix="critic")
         # A colocated critic shares its GPU with the policy's rollout engine, which maps its

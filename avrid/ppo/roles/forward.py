@@ -174,6 +174,7 @@ inputs, the micro-batch and the weights are on the model's device."""
 
 def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: Shard,
                 builder: ResultBuilder, loss_fn: LossFn, *, pad_id: int, agg: str,
+                packed: bool = True,
                 totals: Totals, world_size: int, grad_clip: float, prefix: str) -> None:
     """One optimizer step on this rank's shard of a mini-batch (see the module docstring)."""
     optimizer.zero_grad(set_to_none=True)
@@ -182,7 +183,7 @@ def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
         with builder.span("forward_backward"):
             # The loss reads the micro-batch's columns (`padded`) where the model is.
             on_device = mb.to(device)
-            x = model_inputs(on_device, pad_id)
+            x = model_inputs(on_device, pad_id, packed=packed)
             # A left-out sample's tokens weigh 0 (and `Totals` did not count them).
             mask = x.response_mask * sample_loss_mask(on_device)[:, None]
             # The WHOLE mini-batch's counts (`losses.token_weights`), so the sum over

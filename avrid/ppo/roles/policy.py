@@ -109,7 +109,7 @@ class PolicyWorker(TrainedWorker):
 
     def _initial_policy(self) -> torch.nn.Module:
         # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
-        model = fsdp.cast_parameters(self._build_model(), self.dtype)
+        model = fsdp.cast_parameters(self._fresh_model(), self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
 
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
@@ -151,12 +151,14 @@ class PolicyWorker(TrainedWorker):
         with torch.no_grad():
             for mb in shard.micro_batches():
                 with builder.span(name):
-                    x = model_inputs(mb.to(device), self.pad_id)
+                    x = model_inputs(mb.to(device), self.pad_id,
+                                     packed=self.config.memory.pack_sequences)
                     # The actor's entropy feeds the `actor/entropy` metric: computed chunk by
                     # chunk with the log-probs (no (tokens x vocab) tensor), a softmax per
                     # chunk more; the reference pass has no use for it and skips it.
                     logp, ent = response_logprobs(model, x, self.config.rollout.temperature,
-                                                  with_entropy=not reference)
+                                                  with_entropy=not reference,
+                                                  chunk=self.config.memory.logprob_chunk)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
                 if ent is not None:
                     builder.metric("actor/entropy", ent[x.response_mask.bool()], "mean_tokens")
@@ -175,7 +177,8 @@ class PolicyWorker(TrainedWorker):
 
         def loss_fn(x: ModelInputs, mb, w: torch.Tensor, b: ResultBuilder) -> torch.Tensor:
             logp, ent = response_logprobs(self.model, x, self.config.rollout.temperature,
-                                          with_entropy=need_entropy)
+                                          with_entropy=need_entropy,
+                                          chunk=self.config.memory.logprob_chunk)
             mask = x.response_mask
             out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"), mask,
                               clip_low=a.clip_low, clip_high=a.clip_high,
@@ -201,6 +204,7 @@ class PolicyWorker(TrainedWorker):
             return loss
 
         train_shard(self.model, self.optimizer, shard, builder, loss_fn, pad_id=self.pad_id,
+                    packed=self.config.memory.pack_sequences,
                     agg=a.loss_agg, totals=totals, world_size=self.identity.world_size,
                     grad_clip=self.config.train.grad_clip, prefix="actor")
         return builder.build()

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from avrid.ppo.engines.models import trainer_attention
 from avrid.ppo.roles import fsdp
 from avrid.ppo.setup.config import PPOConfig, TrainConfig
 from avrid.results import ResultBuilder
@@ -99,7 +100,7 @@ class TrainedWorker(Worker, abc.ABC):
         if ident.world_size > 1 or fsdp.mixed_precision(self.dtype):
             group = self.init_distributed("nccl" if self.device == "cuda" else "gloo",
                                           timeout_s=self.config.train.collective_timeout_s)
-        model = self._build_model()
+        model = self._fresh_model()
         if isinstance(weights, dict):  # resuming from whole weights (an older checkpoint)
             model.load_state_dict(weights, strict=self.strict_load)
         model.to(self.device)
@@ -121,6 +122,14 @@ class TrainedWorker(Worker, abc.ABC):
         elif optimizer_state is not None:
             fsdp.load_optimizer_state(self.optimizer, optimizer_state)
         return count
+
+    def _fresh_model(self) -> torch.nn.Module:
+        """`_build_model`, set to run the attention kernel of `memory.attention`
+        (`models.trainer_attention`): the trained models and the reference, not the engine."""
+        model = self._build_model()
+        model.set_attn_implementation(
+            trainer_attention(self.config.memory.attention, self.device))
+        return model
 
     @abc.abstractmethod
     def _build_model(self) -> torch.nn.Module:

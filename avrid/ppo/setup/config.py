@@ -1,7 +1,7 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds seven small sections (`rollout` is in `rollout.py`; the seventh,
-chapter 6's `pipeline`, is in `pipeline.py`). Every field has a docstring, a default that
+One `PPOConfig` holds eight small sections (`rollout` is in `rollout.py`, `memory` in
+`memory.py`, chapter 6's `pipeline` in `pipeline.py`). Every field has a docstring, a default that
 runs on a laptop, and a check in `__post_init__` that names the field and the allowed range,
 so a bad value fails when the config is made — before Ray starts or any worker loads a model.
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from avrid.ppo.algo.losses import AggMode, KlKind
+from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.rollout import RolloutConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
@@ -359,6 +360,7 @@ class PPOConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 

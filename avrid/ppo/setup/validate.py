@@ -105,6 +105,9 @@ def _hardware(config: PPOConfig) -> None:
          or head_dim in VLLM_CPU_HEAD_DIMS, "model.num_heads",
          f"the vllm engine on CPU needs a head dim (hidden_size / num_heads) in "
          f"{VLLM_CPU_HEAD_DIMS}, got {head_dim}")
+    need(config.memory.attention != "flash_attention_2" or p.device == "cuda",
+         "memory.attention", "flash_attention_2 runs on CUDA only; on placement.device="
+         f"{p.device!r} use 'auto', 'sdpa' or 'eager'")
 
 
 def _rollout(config: PPOConfig) -> None:
