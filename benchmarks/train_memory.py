@@ -19,8 +19,8 @@ began: the memory the phase added. Medians over `--repeats` runs.
 "today" is `padded_logprobs` below: the code of c30d38c's `forward.response_logprobs`
 (right-padded inputs, full logits, gather, `logprobs_from_logits`, `entropy_from_logits`)
 kept here as the reference. "chunked" is the trainer's `forward.response_logprobs` on the
-right-padded inputs (its default layout, `columns.PACK_SEQUENCES` = False); "packed" the
-same on `columns.packed_inputs`.
+right-padded inputs (`memory.pack_sequences=false`); "packed" the same on
+`columns.packed_inputs`, the trainer's default layout.
 
 Also printed: tokens computed / real tokens (packed: the real tokens, exactly; padded:
 n x longest), and each path's logits model — n x L x vocab x 4 bytes today against
@@ -110,7 +110,7 @@ def measure(path: str, vocab: int, long: int, chunk: int) -> dict:
                                     "old_logp": [-torch.rand(r, generator=g) for r in responses],
                                     "advantages": [torch.randn(r, generator=g)
                                                    for r in responses]})
-    if path == "chunked":  # today's layout with the chunked head (the trainer's default)
+    if path == "chunked":  # the padded layout with the chunked head (pack_sequences=false)
         x = padded_inputs(batch, 0)
 
         def logprobs(with_entropy: bool):  # noqa: ANN202
