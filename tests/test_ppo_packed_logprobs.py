@@ -81,11 +81,19 @@ def test_packed_inputs_are_one_row_of_the_real_tokens() -> None:
     assert torch.equal(x.response_mask, ref.response_mask)
 
 
+# The kernels `memory.attention` runs on CPU: the trainer's default ("auto" = sdpa there) and
+# eager. Each must see the packed row's sequences as separate (block-diagonal attention).
+ATTENTION = ["sdpa", "eager"]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_equals_padded_for_logprobs_losses_and_every_gradient(tied: bool) -> None:
+def test_packed_equals_padded_for_logprobs_losses_and_every_gradient(tied: bool,
+                                                                     attention: str) -> None:
     spec = TinyModelSpec(vocab_size=VOCAB, hidden_size=32, num_heads=2, num_kv_heads=2,
                          tie_embeddings=tied)
     model = build_tiny_policy(spec, seed=3)
+    model.set_attn_implementation(attention)
     batch = make_batch()
     results = {}
     for name, x in (("packed", packed_inputs(batch, PAD)), ("padded", padded_inputs(batch, PAD))):
@@ -105,8 +113,11 @@ def test_packed_equals_padded_for_logprobs_losses_and_every_gradient(tied: bool)
     assert worst < 1e-5, worst
 
 
-def test_packed_equals_padded_for_values_the_value_loss_and_every_gradient() -> None:
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_packed_equals_padded_for_values_the_value_loss_and_every_gradient(
+        attention: str) -> None:
     critic = build_tiny_critic(SPEC, seed=4)
+    critic.set_attn_implementation(attention)
     batch = make_batch()
     results = {}
     for name, x in (("packed", packed_inputs(batch, PAD)), ("padded", padded_inputs(batch, PAD))):
@@ -251,3 +262,25 @@ def test_token_budget_and_micro_batch_size_change_no_logprob_and_no_update(
         diff = torch.cat([(w[n] - first[n]).flatten() for n in first]).norm()
         scale = torch.cat([first[n].flatten() for n in first]).norm()
         assert float(diff / scale) < 1e-5, (name, "weights", float(diff / scale))
+
+
+@pytest.mark.parametrize(("choice", "kernel"), [("auto", "sdpa"), ("eager", "eager")])
+def test_the_trained_model_and_the_reference_run_the_configured_attention(
+        choice: str, kernel: str) -> None:
+    cfg = with_overrides(config(True), [f"memory.attention={choice}", "algo.kl_coef=0.1"])
+    worker = PolicyWorker(WorkerIdentity(role="policy", rank=0, world_size=1), config=cfg,
+                          vocab_size=SPEC.vocab_size, eos_id=EOS, pad_id=PAD,
+                          max_response_tokens=16)
+    worker.setup()
+    try:
+        assert worker.model.config._attn_implementation == kernel
+        assert worker.reference.config._attn_implementation == kernel
+    finally:
+        worker.close()
+
+
+def test_flash_attention_is_refused_off_cuda_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"memory.attention.*CUDA only.*'auto', 'sdpa'"):
+        with_overrides(PPOConfig(), ["memory.attention=flash_attention_2"])
+    with pytest.raises(ValueError, match=r"memory.attention.*allowed: auto, eager, sdpa"):
+        with_overrides(PPOConfig(), ["memory.attention=flash"])

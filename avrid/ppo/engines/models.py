@@ -40,11 +40,13 @@ from transformers import (
 
 from avrid.ppo.setup.config import PPOConfig
 
-# eager, because it makes the rollout's log-probs closest to the trainer's on CPU: the engine
-# decodes one query at a time through the KV cache, the trainer runs the whole sequence, and
-# eager computes both as the same explicit softmax(QK^T)V. Measured on a tiny model, 16 prompts
-# of 1-23 tokens, 24 new tokens: max |gap| 9.5e-7 for both in float32, but 2.8e-3 (eager)
-# against 5.5e-3 (sdpa) in bfloat16. A GPU trainer may pass its own choice to `load_policy`.
+# The kernel a model is BUILT with (tests, the chapter notebooks). A run's trained models, its
+# reference and the torch engine's copy of the actor then run `memory.attention`
+# (`trainer_attention`; sdpa on CPU by default). eager is the explicit softmax(QK^T)V: the
+# engine, decoding one query at a time through the KV cache, and the trainer, running the whole
+# sequence, then compute the same expression. Measured on a tiny model, 16 prompts of 1-23
+# tokens, 24 new tokens: max |gap| 9.5e-7 for both kernels in float32, but 2.8e-3 (eager)
+# against 5.5e-3 (sdpa) in bfloat16; sdpa never stores the heads x L x L weights.
 ATTN_IMPLEMENTATION = "eager"
 
 

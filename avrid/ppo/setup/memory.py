@@ -38,7 +38,8 @@ class MemoryConfig:
     """The trained models' attention kernel: "auto" = "flash_attention_2" on CUDA when the
     flash-attn package is installed (its varlen kernel runs packed rows without a mask), else
     "sdpa" (PyTorch's fused attention; never stores the heads x L x L weights on GPU);
-    "eager" = the explicit softmax(QK^T)V. The rollout engine keeps its own kernel."""
+    "eager" = the explicit softmax(QK^T)V. The torch rollout engine, a copy of the actor,
+    runs the same kernel; vLLM picks its own."""
     logprob_chunk: int = 512
     """Response positions the output projection runs at once when computing log-probs and
     entropies: the (positions x vocabulary) fp32 logits exist for one chunk at a time, never
