@@ -340,3 +340,23 @@ class TensorEchoWorker(Worker):
         import torch
 
         return value, torch.Tensor in ray.cloudpickle.CloudPickler.dispatch
+
+
+def ragged_batch(prompt_lens: Any, response_lens: Any, *, vocab: int, sample_ids: Any,
+                 columns: dict[str, float], seed: int = 0, scalars: Any = None) -> Any:
+    """A trainer `Batch` of random tokens (ids 2..vocab-1: 0 and 1 stay pad and EOS) with
+    ragged prompts and responses, and a random per-response-token column for each name in
+    `columns` (standard normal times its scale), drawn in that order from one generator
+    seeded with `seed`: the same arguments, the same batch."""
+    import torch
+
+    from avrid.dispatch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(2, vocab, (p + r,), generator=g)
+              for p, r in zip(prompt_lens, response_lens, strict=True)]
+    packed = {"tokens": tokens}
+    for name, scale in columns.items():
+        packed[name] = [scale * torch.randn(r, generator=g) for r in response_lens]
+    return Batch.from_rows(sample_ids=sample_ids, prompt_lens=prompt_lens,
+                           response_lens=response_lens, packed=packed, scalars=scalars or {})

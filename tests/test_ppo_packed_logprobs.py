@@ -33,6 +33,7 @@ from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.workers import WorkerIdentity
+from tests.helpers import ragged_batch
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -44,19 +45,10 @@ RESPONSE_LENS = [2, 14, 1, 3, 11, 2, 1, 4]
 
 
 def make_batch(seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(2, VOCAB, (p + r,), generator=g)
-              for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)]
-
-    def per_token(scale: float) -> list[torch.Tensor]:
-        return [scale * torch.randn(r, generator=g) for r in RESPONSE_LENS]
-
-    return Batch.from_rows(sample_ids=range(100, 100 + len(tokens)), prompt_lens=PROMPT_LENS,
-                           response_lens=RESPONSE_LENS,
-                           packed={"tokens": tokens, "old_logp": per_token(0.1),
-                                   "advantages": per_token(1.0), "values": per_token(0.5),
-                                   "returns": per_token(1.0)})
-
+    return ragged_batch(PROMPT_LENS, RESPONSE_LENS, vocab=VOCAB,
+                        sample_ids=range(100, 100 + len(PROMPT_LENS)), seed=seed,
+                        columns={"old_logp": 0.1, "advantages": 1.0, "values": 0.5,
+                                 "returns": 1.0})
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b| (the scale of the compared quantity)."""

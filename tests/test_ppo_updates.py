@@ -24,7 +24,7 @@ from avrid.ppo.roles.trained import lr_at
 from avrid.ppo.setup.config import PPOConfig, TrainConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.workers import WorkerIdentity
-from tests.helpers import GradRecorder
+from tests.helpers import GradRecorder, ragged_batch
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -43,18 +43,8 @@ def config(*overrides: str) -> PPOConfig:
 
 def make_batch(seed: int = 0) -> Batch:
     """Four samples of ragged prompts and responses with every column an update reads."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(2, VOCAB, (p + r,), generator=g)
-              for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)]
-
-    def per_token(scale: float) -> list[torch.Tensor]:
-        return [scale * torch.randn(r, generator=g) for r in RESPONSE_LENS]
-
-    return Batch.from_rows(sample_ids=[10, 11, 12, 13], prompt_lens=PROMPT_LENS,
-                           response_lens=RESPONSE_LENS,
-                           packed={"tokens": tokens, "values": per_token(0.5),
-                                   "returns": per_token(1.0), "advantages": per_token(1.0)})
-
+    return ragged_batch(PROMPT_LENS, RESPONSE_LENS, vocab=VOCAB, sample_ids=[10, 11, 12, 13],
+                        columns={"values": 0.5, "returns": 1.0, "advantages": 1.0}, seed=seed)
 
 def shard_of(batch: Batch) -> Shard:
     """The whole batch as one rank's shard, cut into two micro-batches."""
