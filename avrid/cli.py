@@ -5,6 +5,7 @@
     avrid ppo --print-config  the config as YAML (`--print-config json`: as JSON), and
     avrid ppo --config FILE   a run of the config in that file (.yaml, .yml or .json)
     avrid ppo --help-config   every config field: its type, default and what it does
+    avrid ppo --estimate-memory [--gpu-memory 80GB]  peak memory per GPU and phase; fits?
     (Ctrl-C, or a scheduler's SIGTERM, stops a run: exit 130 or 143 and how to resume it)
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
                             for its latest checkpoint, a checkpoints/ root or a step directory)
@@ -131,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
                      help="print the config (YAML, or json) and exit; --config reads it back")
     ppo.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
                      help="list every config field (or SECTION's): type, default, meaning")
+    ppo.add_argument("--estimate-memory", action="store_true",
+                     help="print the predicted peak memory per GPU and phase of the config "
+                     "and whether it fits, then exit (no Ray, no model, no GPU needed)")
+    ppo.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE",
+                     help="one GPU's memory for --estimate-memory: 80GB (default; GB = GiB, "
+                     "as GPU makers count), 80GiB, 80, 40000MiB")
     export = sub.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     export.add_argument("source", help="a run directory (its latest checkpoint), a checkpoints/ "
                         "root or a step directory")
@@ -224,6 +231,18 @@ def _ppo(args: argparse.Namespace) -> None:
     if args.print_config is not None:
         print(dump_config(config, args.print_config), end="")
         return
+    if args.estimate_memory:
+        from avrid.ppo.setup.memory_report import report
+
+        try:
+            print(report(config, args.gpu_memory or 80 << 30,
+                         label=args.config or f"preset {args.preset or 'tiny-ppo'}"), end="")
+        except (ValueError, OSError) as e:  # an unknown model shape, an unreadable config.json
+            _fail("avrid ppo --estimate-memory", e, debug=args.debug)
+        return
+    if args.gpu_memory is not None:
+        _fail("avrid ppo", ValueError("--gpu-memory sizes the GPUs of --estimate-memory; "
+                                      "add --estimate-memory"), debug=args.debug)
     ray_was_running, debug_was = _ray_running(), os.environ.get("AVRID_DEBUG")
     if args.debug:  # the workers read it too (vllm_logs.py): vLLM's own lines then show
         os.environ["AVRID_DEBUG"] = "1"
@@ -255,6 +274,16 @@ def _ppo(args: argparse.Namespace) -> None:
                 os.environ.pop("AVRID_DEBUG", None)
             else:
                 os.environ["AVRID_DEBUG"] = debug_was
+
+
+def _gpu_memory(text: str) -> int:
+    """--gpu-memory's value in bytes; a bad one is argparse's usage error (exit 2)."""
+    from avrid.ppo.setup.memory_report import parse_gpu_memory
+
+    try:
+        return parse_gpu_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--gpu-memory: ")) from None
 
 
 def _preset_help() -> str:

@@ -16,6 +16,9 @@ Read in this order:
 12. gsm8k.py        grade-school maths from a local GSM8K file, for real models
 13. catalog.py      `load_task`: a task by name or by ``package.module:factory``
 14. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
+15. memory_shapes.py    a model's shape without loading it (``--estimate-memory``)
+16. memory_estimate.py  the predicted peak bytes of each phase per GPU, by component
+17. memory_report.py    ``--estimate-memory``'s table, its verdict and a layout that fits
 
 Pure: nothing here imports Ray, and nothing starts a process or loads a model.
 """

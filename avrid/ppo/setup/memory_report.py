@@ -1,0 +1,169 @@
+"""Chapter 5 — `avrid ppo --estimate-memory`'s table, its verdict and a layout that fits.
+
+`report(config, gpu_bytes)` prints `memory_estimate.estimate`'s phases as one table per GPU
+kind (the policy's GPU: actor, reference, engine, and a colocated critic; a separate critic's
+GPU), in GiB per component, then the verdict: "fits with X% headroom", or "does NOT fit" and
+the first layout of `suggest`'s ladder that does (more actor_dp, gradient checkpointing,
+smaller micro-batches, cpu_offload), as ``--set`` assignments.
+
+`parse_gpu_memory` reads ``--gpu-memory``: "80GB", "80GiB", "80G" or "80" are 80 GiB (GPU
+makers' GB are binary: an "80 GB" H100 has 80 GiB of HBM), "40000MB"/"40000MiB" MiB.
+
+Not here: the bytes (`memory_estimate.py`), the shapes (`memory_shapes.py`), the command line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.memory_estimate import COMPONENTS, Estimate, GiB, estimate
+from avrid.ppo.setup.overrides import with_overrides
+
+MAX_DP = 8
+"""The most actor ranks `suggest` proposes (one node of 8 GPUs)."""
+_UNITS = {"": GiB, "g": GiB, "gb": GiB, "gib": GiB, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_gpu_memory(text: str) -> int:
+    """Bytes of one GPU from ``--gpu-memory`` (see the module docstring).
+
+    Example:
+        >>> parse_gpu_memory("80GB") == parse_gpu_memory("80") == 80 * 2**30
+        True
+        >>> parse_gpu_memory("40000MiB") == 40000 * 2**20
+        True
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--gpu-memory: {text!r} is not a size; allowed: a positive number "
+                         f"with GB, GiB, G, MB, MiB or TB (GB = GiB), e.g. 80GB, 80GiB or 80")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def table(est: Estimate, gpu: str) -> list[str]:
+    """The rows of one GPU kind: a phase per row, a component per column, GiB."""
+    cols = [c for c in COMPONENTS if any(p.parts[c] for p in est.phases if p.gpu == gpu)]
+    width = max(len(p.name) for p in est.phases) + 2
+    head = f"{'phase (GiB)':<{width}}" + "".join(f"{c:>9}" for c in cols) + f"{'PEAK':>9}"
+    lines = [head]
+    for p in est.phases:
+        if p.gpu == gpu:
+            lines.append(f"{p.name:<{width}}" + "".join(f"{_gib(p.parts[c]):>9}" for c in cols)
+                         + f"{_gib(p.peak):>9}")
+    return lines
+
+
+def verdict(est: Estimate, gpu_bytes: int) -> tuple[bool, str]:
+    """(fits, one line) for the worst phase of every GPU kind."""
+    peak = est.peak()
+    worst = max(est.phases, key=lambda p: p.peak)
+    if peak <= gpu_bytes:
+        return True, (f"fits with {100 * (1 - peak / gpu_bytes):.0f}% headroom (peak "
+                      f"{_gib(peak)} GiB of {_gib(gpu_bytes)} GiB, in {worst.gpu} "
+                      f"{worst.name})")
+    return False, (f"does NOT fit: {worst.gpu} {worst.name} needs {_gib(peak)} GiB of "
+                   f"{_gib(gpu_bytes)} GiB")
+
+
+def _ladder(config: PPOConfig) -> list[list[str]]:
+    """Layouts to try, cheapest first: checkpointing, then more ranks, then smaller
+    micro-batches, then offload (slowest)."""
+    p, t = config.placement, config.train
+    dps = [d for d in (1, 2, 4, 8) if p.actor_dp <= d <= max(MAX_DP, p.actor_dp)]
+    seq = config.rollout.max_prompt_tokens + (config.rollout.max_response_tokens or 256)
+    mbts = [m for m in (t.micro_batch_tokens, t.micro_batch_tokens // 2,
+                        t.micro_batch_tokens // 4) if m >= seq] or [t.micro_batch_tokens]
+    out = []
+    for offload in (False, True):
+        for dp in dps:
+            for mbt in mbts:
+                sets = [] if config.checkpoints_activations else [
+                    "train.gradient_checkpointing=true"]
+                if dp != p.actor_dp:
+                    sets += [f"placement.actor_dp={dp}", f"placement.critic_dp={dp}"]
+                if mbt != t.micro_batch_tokens:
+                    sets.append(f"train.micro_batch_tokens={mbt}")
+                if offload:
+                    sets.append("memory.cpu_offload=true")
+                out.append(sets)
+    return out
+
+
+def suggest(config: PPOConfig, gpu_bytes: int) -> tuple[list[str], Estimate] | None:
+    """The first layout of the ladder whose estimate fits `gpu_bytes` (its ``--set``
+    assignments and estimate), or None."""
+    for sets in _ladder(config):
+        try:
+            candidate = with_overrides(config, sets)
+        except ValueError:  # a combination the config refuses (e.g. vLLM's TP rules)
+            continue
+        est = estimate(candidate, gpu_bytes=gpu_bytes)
+        if est.peak() <= gpu_bytes:
+            return sets, est
+    return None
+
+
+def report(config: PPOConfig, gpu_bytes: int, *, label: str = "") -> str:
+    """The whole `--estimate-memory` output for `config` on GPUs of `gpu_bytes` each."""
+    est = estimate(config, gpu_bytes=gpu_bytes)
+    lines = [_describe(config, est, gpu_bytes, label)]
+    for gpu, count in _gpus(config):
+        if any(p.gpu == gpu for p in est.phases):
+            lines += ["", f"per GPU: {gpu} GPU (one of {count})"] + table(est, gpu)
+    lines += [f"note: {n}" for n in est.notes]
+    fits, line = verdict(est, gpu_bytes)
+    lines += ["", line]
+    if not fits:
+        found = suggest(config, gpu_bytes)
+        if found is None:
+            lines.append(f"  no layout up to actor_dp={MAX_DP} with checkpointing, smaller "
+                         f"micro-batches and cpu_offload fits: try more or larger GPUs")
+        else:
+            sets, better = found
+            dp = next((s.split("=")[1] for s in sets if s.startswith("placement.actor_dp")),
+                      str(config.placement.actor_dp))
+            _, ok = verdict(better, gpu_bytes)
+            lines.append(f"  try (actor_dp={dp}, i.e. {dp} policy GPUs): "
+                         + " ".join(f"--set {s}" for s in sets) + f"  -> {ok}")
+    return "\n".join(lines) + "\n"
+
+
+def _gpus(config: PPOConfig) -> list[tuple[str, int]]:
+    p = config.placement
+    out = [("policy", p.actor_dp)]
+    if config.algo.uses_critic and not p.colocate_critic:
+        out.append(("critic", p.critic_dp))
+    return out
+
+
+def _describe(config: PPOConfig, est: Estimate, gpu_bytes: int, label: str) -> str:
+    s, w, m, t = est.policy, est.workload, config.model, config.train
+    layout = "packed" if config.memory.pack_sequences else "padded"
+    total = sum(n for _, n in _gpus(config))
+    return "\n".join([
+        f"memory estimate{' of ' + label if label else ''}: {s.params / 1e6:.1f}M parameters "
+        f"(hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, vocab "
+        f"{s.vocab}{', tied head' if s.tied else ''}; shape from {s.source})",
+        f"  {total} GPU(s) of {_gib(gpu_bytes)} GiB ({config.placement.device}); actor_dp="
+        f"{config.placement.actor_dp}, {m.dtype} compute (fp32 masters + AdamW), "
+        f"attention {est.attention}, checkpointing "
+        f"{'on' if config.checkpoints_activations else 'off'}, "
+        f"cpu_offload {'on' if config.memory.cpu_offload else 'off'}",
+        f"  micro-batch: {layout}, {w.tokens} tokens computed in {w.rows} rows "
+        f"(micro_batch_tokens {t.micro_batch_tokens}), {w.response_tokens} response "
+        f"positions, log-prob chunk {config.memory.logprob_chunk}; engine "
+        f"{config.rollout.engine}, {w.gen_rows} sequences of <= {w.gen_len} tokens per rank",
+    ])
+
+
+def headroom(est: Estimate, gpu_bytes: int) -> float:
+    """The fraction of a GPU left at the worst phase (negative: over)."""
+    return 1.0 - est.peak() / gpu_bytes if gpu_bytes > 0 else -math.inf
