@@ -28,6 +28,7 @@ from avrid.ppo.algo.logprobs import chunked_logprobs, entropy_from_logits, logpr
 from avrid.ppo.algo.losses import policy_loss, value_loss
 from avrid.ppo.data.columns import Totals, model_inputs, packed_inputs, padded, padded_inputs
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_critic, build_tiny_policy
+from avrid.ppo.engines.packed_attention import PACKED_SDPA, register
 from avrid.ppo.roles.forward import response_logprobs, response_values
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -73,22 +74,25 @@ def test_packed_inputs_are_one_row_of_the_real_tokens() -> None:
     assert torch.equal(x.response_mask, ref.response_mask)
 
 
-# The kernels `memory.attention` runs on CPU: the trainer's default ("auto" = sdpa there) and
-# eager. Each must see the packed row's sequences as separate (block-diagonal attention).
-ATTENTION = ["sdpa", "eager"]
+# (kernel on the packed row, kernel on the padded rows): the trainer's default on CPU
+# (`packed_attention`'s per-sequence SDPA; the padded rows run transformers' SDPA), and eager
+# and transformers' SDPA on both, over a block-diagonal mask. Each must keep the packed row's
+# sequences apart.
+ATTENTION = [(register(), "sdpa"), ("sdpa", "sdpa"), ("eager", "eager")]
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_equals_padded_for_logprobs_losses_and_every_gradient(tied: bool,
-                                                                     attention: str) -> None:
+                                                                     attention: tuple) -> None:
     spec = TinyModelSpec(vocab_size=VOCAB, hidden_size=32, num_heads=2, num_kv_heads=2,
                          tie_embeddings=tied)
     model = build_tiny_policy(spec, seed=3)
-    model.set_attn_implementation(attention)
+    kernel = dict(zip(("packed", "padded"), attention, strict=True))
     batch = make_batch()
     results = {}
     for name, x in (("packed", packed_inputs(batch, PAD)), ("padded", padded_inputs(batch, PAD))):
+        model.set_attn_implementation(kernel[name])
         logp, ent = response_logprobs(model, x, 0.7, with_entropy=True, chunk=5)
         mask = x.response_mask
         out = policy_loss(logp, padded(batch, "old_logp"), padded(batch, "advantages"), mask,
@@ -107,12 +111,13 @@ def test_packed_equals_padded_for_logprobs_losses_and_every_gradient(tied: bool,
 
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_packed_equals_padded_for_values_the_value_loss_and_every_gradient(
-        attention: str) -> None:
+        attention: tuple) -> None:
     critic = build_tiny_critic(SPEC, seed=4)
-    critic.set_attn_implementation(attention)
+    kernel = dict(zip(("packed", "padded"), attention, strict=True))
     batch = make_batch()
     results = {}
     for name, x in (("packed", packed_inputs(batch, PAD)), ("padded", padded_inputs(batch, PAD))):
+        critic.set_attn_implementation(kernel[name])
         values = response_values(critic, x)
         out = value_loss(values, padded(batch, "values"), padded(batch, "returns"),
                          x.response_mask, clip=0.2)
@@ -256,7 +261,7 @@ def test_token_budget_and_micro_batch_size_change_no_logprob_and_no_update(
         assert float(diff / scale) < 1e-5, (name, "weights", float(diff / scale))
 
 
-@pytest.mark.parametrize(("choice", "kernel"), [("auto", "sdpa"), ("eager", "eager")])
+@pytest.mark.parametrize(("choice", "kernel"), [("auto", PACKED_SDPA), ("eager", "eager")])
 def test_the_trained_model_and_the_reference_run_the_configured_attention(
         choice: str, kernel: str) -> None:
     cfg = with_overrides(config(True), [f"memory.attention={choice}", "algo.kl_coef=0.1"])

@@ -3,11 +3,12 @@
 Read in this order:
 
 1. models.py        tiny Qwen2-shaped policies and critics built from a config, local
-                    checkpoints loaded, the critic's value head
-2. torch_engine.py  the `RolloutEngine` protocol and `TorchEngine`, a hand-written KV-cache
+                    checkpoints loaded, the critic's value head, the trainer's attention kernel
+2. packed_attention.py  SDPA over a packed row one sequence at a time (no N x N mask)
+3. torch_engine.py  the `RolloutEngine` protocol and `TorchEngine`, a hand-written KV-cache
                     sampler whose log-probs match the trainer's forward pass
-3. vllm_engine.py   `VllmEngine`: the same protocol over a real ``vllm.LLM`` (CPU or GPU)
-4. vllm_logs.py     the scope the vLLM engine works in: vLLM's own log lines and warnings
+4. vllm_engine.py   `VllmEngine`: the same protocol over a real ``vllm.LLM`` (CPU or GPU)
+5. vllm_logs.py     the scope the vLLM engine works in: vLLM's own log lines and warnings
                     kept off the screen unless asked for, and put back afterwards
 
 No Ray here; the policy worker (`roles/policy.py`) owns an engine per rank.

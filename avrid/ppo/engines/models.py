@@ -38,6 +38,7 @@ from transformers import (
     Qwen2ForTokenClassification,
 )
 
+from avrid.ppo.engines import packed_attention
 from avrid.ppo.setup.config import PPOConfig
 
 # The kernel a model is BUILT with (tests, the chapter notebooks). A run's trained models, its
@@ -232,20 +233,27 @@ def pad_left(prompts: Sequence[Sequence[int]],
     return ids, mask, positions
 
 
-def trainer_attention(choice: str, device: str) -> str:
+def trainer_attention(choice: str, device: str, *, packed: bool) -> str:
     """The attention kernel the trained models run for `memory.attention` = `choice` on
-    `device`: "auto" is flash-attn 2 on CUDA where the package is installed (its varlen kernel
-    takes packed rows as they are), else PyTorch's SDPA; any other choice is itself.
+    `device`, on `packed` rows (`memory.pack_sequences`) or right-padded ones.
+
+    "auto" is flash-attn 2 on CUDA where the package is installed (its varlen kernel takes
+    packed rows as they are), else SDPA. SDPA on packed rows ("auto" or "sdpa") is
+    `packed_attention`'s kernel, one sequence at a time: transformers' own would attend over a
+    block-diagonal N x N mask. "eager" is itself (on packed rows: that N x N mask).
 
     Example:
-        >>> trainer_attention("auto", "cpu"), trainer_attention("eager", "cpu")
-        ('sdpa', 'eager')
+        >>> trainer_attention("auto", "cpu", packed=True), trainer_attention("auto", "cpu",
+        ...                                                                  packed=False)
+        ('avrid_packed_sdpa', 'sdpa')
+        >>> trainer_attention("eager", "cpu", packed=True)
+        'eager'
     """
-    if choice != "auto":
-        return choice
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if choice == "auto" and device == "cuda" and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    return "sdpa"
+    if choice in ("auto", "sdpa"):
+        return packed_attention.register() if packed else "sdpa"
+    return choice
 
 
 def tiny_spec(config: PPOConfig, vocab_size: int) -> TinyModelSpec:
@@ -270,3 +278,14 @@ def initial_policy(config: PPOConfig, *, vocab_size: int, eos_id: int,
         return build_tiny_policy(tiny_spec(config, vocab_size), seed=config.train.seed,
                                  eos_token_id=eos_id, pad_token_id=pad_id, dtype=torch.float32)
     return load_policy(config.model.path, dtype=torch.float32)
+
+
+def load_seeded_critic(path: str | Path, *, seed: int,
+                       dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """`load_critic` with its new value head drawn from `seed`: transformers draws it from the
+    process's global RNG, whose state depends on whatever the process did before (it differed
+    from run to run), so a run's critic would not be a function of its seed. Drawn in a forked
+    RNG under the init lock, as `build_tiny_critic` draws its weights."""
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return load_critic(path, dtype=dtype)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from avrid.dispatch import Packed, Shard
+from avrid.ppo.engines.models import ATTN_IMPLEMENTATION
 from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.ppo.roles import fsdp
 from avrid.ppo.setup.config import PPOConfig
@@ -47,6 +48,9 @@ def build_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int, pad_id
     dtype = getattr(torch, config.model.dtype)
     # A copy: the policy's FSDP2 will shard its own model in place.
     engine_model = fsdp.cast_parameters(copy.deepcopy(model), dtype).eval()
+    # The copy has the trainer's attention kernel, made for packed rows; the engine decodes
+    # left-padded batches through a KV cache, with the kernel models are built with.
+    engine_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return TorchEngine(engine_model.to(config.placement.device), pad_token_id=pad_id), None
 
 

@@ -15,6 +15,8 @@ written once, here, in `setup`; a subclass adds only what is its own:
 
 Parameters and AdamW state are always fp32; `model.dtype` is the compute dtype (bf16 through
 FSDP2's mixed precision, which needs a process group even for one rank; see `fsdp.py`).
+`memory.cpu_offload` keeps them in host memory (FSDP2's CPU offload, a group even for one
+rank as well).
 
 A checkpoint is written by the ranks themselves: `save_shards` has every rank write its own
 shards of the model and of AdamW into the directory the driver names (`fsdp.py`), and
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from avrid.ppo.engines.models import trainer_attention
-from avrid.ppo.roles import fsdp
+from avrid.ppo.roles import fsdp, meta_init
 from avrid.ppo.setup.config import PPOConfig, TrainConfig
 from avrid.results import ResultBuilder
 from avrid.workers import Worker, WorkerIdentity
@@ -74,6 +76,10 @@ class TrainedWorker(Worker, abc.ABC):
     After `setup`, `self.model` is this rank's (sharded) model and `self.optimizer` its AdamW.
     """
 
+    model_kind: str | None = None
+    """`meta_init.POLICY` or `meta_init.CRITIC`: what a checkpoint builds, so that a sharded
+    rank can build it on the meta device (`meta_init.applies`); None keeps the old path."""
+
     def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
                  pad_id: int, lr: float, strict_load: bool = True) -> None:
         """`lr`: the role's learning rate; `strict_load=False` lets a checkpoint's weights
@@ -96,14 +102,22 @@ class TrainedWorker(Worker, abc.ABC):
         `optimizer_state`."""
         ident = self.identity
         group = None
-        # Mixed precision is FSDP2's, so a bf16 run needs a process group even for one rank.
-        if ident.world_size > 1 or fsdp.mixed_precision(self.dtype):
-            group = self.init_distributed("nccl" if self.device == "cuda" else "gloo",
+        offload = self.config.memory.cpu_offload
+        # Mixed precision and CPU offload are FSDP2's: either needs a process group even for
+        # one rank (`fsdp.backend`: offloaded CUDA state also reduces over gloo).
+        if ident.world_size > 1 or fsdp.mixed_precision(self.dtype) or offload:
+            group = self.init_distributed(fsdp.backend(self.device, offload=offload),
                                           timeout_s=self.config.train.collective_timeout_s)
-        model = self._fresh_model()
+        # From a checkpoint, sharded: a meta skeleton, filled after sharding from the whole
+        # model that rank 0 alone loads, here as before (meta_init.py).
+        meta = meta_init.applies(self.config, self.model_kind, group, ident.world_size, weights)
+        full = self._fresh_model() if not meta or ident.rank == 0 else None
+        model = (self._fresh_model(meta_init.skeleton(self.config, self.model_kind)) if meta
+                 else full)
         if isinstance(weights, dict):  # resuming from whole weights (an older checkpoint)
             model.load_state_dict(weights, strict=self.strict_load)
-        model.to(self.device)
+        if not meta:
+            model.to(self.device)
         count = sum(p.numel() for p in model.parameters())
         self._before_shard(model)
         # eval(): dropout off, so the old-logp or values pass and the update see the same
@@ -113,7 +127,10 @@ class TrainedWorker(Worker, abc.ABC):
         if self.config.checkpoints_activations:  # before sharding: FSDP2 wraps the layers
             checkpoint_activations(model)
         self.model = fsdp.shard_model(model, group, ident.world_size, self.device,
-                                      compute_dtype=self.dtype)
+                                      compute_dtype=self.dtype, offload=offload)
+        if meta:
+            meta_init.fill(self.model, full, group=group, device=self.device)
+        del full
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
                                            weight_decay=self.config.train.weight_decay,
                                            betas=(0.9, 0.99))
@@ -123,12 +140,14 @@ class TrainedWorker(Worker, abc.ABC):
             fsdp.load_optimizer_state(self.optimizer, optimizer_state)
         return count
 
-    def _fresh_model(self) -> torch.nn.Module:
-        """`_build_model`, set to run the attention kernel of `memory.attention`
-        (`models.trainer_attention`): the trained models and the reference, not the engine."""
-        model = self._build_model()
+    def _fresh_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """`_build_model` (or `model`: `meta_init.skeleton`'s), set to run the attention kernel
+        of `memory.attention` (`models.trainer_attention`): the trained models and the
+        reference, not the engine."""
+        model = self._build_model() if model is None else model
+        memory = self.config.memory
         model.set_attn_implementation(
-            trainer_attention(self.config.memory.attention, self.device))
+            trainer_attention(memory.attention, self.device, packed=memory.pack_sequences))
         return model
 
     @abc.abstractmethod
