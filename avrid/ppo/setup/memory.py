@@ -37,8 +37,9 @@ class MemoryConfig:
     attention: Attention = "auto"
     """The trained models' attention kernel: "auto" = "flash_attention_2" on CUDA when the
     flash-attn package is installed (its varlen kernel runs packed rows without a mask), else
-    "sdpa" (PyTorch's fused attention; never stores the heads x L x L weights on GPU);
-    "eager" = the explicit softmax(QK^T)V. The torch rollout engine, a copy of the actor,
+    "sdpa" (PyTorch's fused attention, which never stores the heads x L x L weights; on packed
+    rows one sequence at a time, `engines/packed_attention.py`); "eager" = the explicit
+    softmax(QK^T)V (on packed rows over an N x N block-diagonal mask: slow, for checks). The torch rollout engine, a copy of the actor,
     runs the same kernel; vLLM picks its own."""
     logprob_chunk: int = 512
     """Response positions the output projection runs at once when computing log-probs and
