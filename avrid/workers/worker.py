@@ -55,7 +55,8 @@ class Worker:
     def init_distributed(self, backend: str = "gloo", timeout_s: float = 60.0) -> ProcessGroup:
         """Join the group's process group: every rank of the group must call this at once.
 
-        `backend` is "gloo" (CPU tensors, any machine) or "nccl" (CUDA tensors). The timeout
+        `backend` is "gloo" (CPU tensors, any machine), "nccl" (CUDA tensors) or both
+        ("cuda:nccl,cpu:gloo": each tensor's device picks its backend). The timeout
         bounds how long a rank waits for the others in this and every later collective of the
         group, so a missing rank fails instead of hanging. The 60 s default suits small CPU
         groups; a role whose first collective waits behind a checkpoint load or vLLM's
@@ -71,7 +72,7 @@ class Worker:
                 f"InProcessBackend(concurrent=True) or the Ray backend"
             )
         timeout = timedelta(seconds=timeout_s)
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl", or NCCL beside gloo ("cuda:nccl,cpu:gloo")
             import torch
 
             torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves this worker's GPU at 0

@@ -12,6 +12,7 @@ shares those bundles (colocated, each worker taking a share) or, with
 first policy bundle with a small CPU share, since it runs while the policy waits.
 ``placement.strategy`` lays the bundles over a cluster's nodes (STRICT_SPREAD: one node each).
 This file only describes placement (chapter 1's `RoleSpec`s); the backend starts it.
+`critic_after_engine` says whether a colocated critic sets up after the policy's engine.
 """
 
 from __future__ import annotations
@@ -70,6 +71,26 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
                                        "task_options": dict(config.task.options),
                                        "task_path": config.task.path, "tokenizer": tokenizer}))
     return pools, roles
+
+
+def critic_after_engine(config: PPOConfig) -> bool:
+    """Whether the critic's setup must wait for the policy's (the trainer's `start`).
+
+    Yes when the critic shares the policy's GPUs (colocated, CUDA) and the policy's setup
+    starts a vLLM engine: vLLM sizes its KV cache from the GPU memory it finds free while it
+    profiles, so a critic loading at that moment would either be counted as vLLM's or take
+    memory vLLM already counted on. Otherwise both set up at once (the torch engine sizes
+    nothing; a CPU run must not wait; a critic pool of its own shares no GPU; a
+    disaggregated pipeline's policy has no engine).
+
+    Example:
+        >>> from avrid.ppo.setup.presets import preset
+        >>> critic_after_engine(preset("tiny-ppo"))  # CPU, torch engine
+        False
+    """
+    p = config.placement
+    return (config.algo.uses_critic and p.colocate_critic and p.device == "cuda"
+            and config.rollout.engine == "vllm" and not config.pipeline.disaggregated)
 
 
 def tokenizer_kwargs(tokenizer: Tokenizer) -> dict[str, int]:

@@ -49,7 +49,7 @@ from avrid.ppo.data.prompts import (
     prompt_batch,
     step_indices,
 )
-from avrid.ppo.driver.placement import build_placement
+from avrid.ppo.driver.placement import build_placement, critic_after_engine
 from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
@@ -153,7 +153,9 @@ class Trainer:
                 raise ValueError(f"the checkpoint's {name} optimizer has {len(opt)} ranks, "
                                  f"this run has {n}; resume with the same placement")
             pending.append(group.submit_per_rank(setup, [weights.get(name)] * n, opt))
-        for p in pending:  # both groups initialise at once (their process groups form)
+            if critic_after_engine(self.config):  # the policy's vLLM takes its GPU share first
+                pending.pop().result(t.setup_timeout_s)
+        for p in pending:  # else both groups initialise at once (their process groups form)
             p.result(t.setup_timeout_s)
 
     def pipeline_state(self) -> dict | None:

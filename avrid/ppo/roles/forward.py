@@ -41,9 +41,15 @@ from avrid.results import ResultBuilder
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where `model` computes: the device of its parameters. Under FSDP2 they are DTensors,
-    whose `.device` is this rank's local device; the frozen reference and a dp = 1 actor
-    or critic are plain modules."""
-    return next(model.parameters()).device
+    whose `.device` is this rank's local device — except under CPU offload, where the
+    shards sit in host memory and the mesh's device computes; a dp = 1 fp32 actor or critic
+    is a plain module."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or mesh.device_type == p.device.type:
+        return p.device
+    return torch.device(mesh.device_type,
+                        torch.get_device_module(mesh.device_type).current_device())
 
 
 LOGPROB_CHUNK = 512

@@ -19,6 +19,12 @@ What this file adds around it:
   in fp32. The mechanism lives inside `fully_shard`, so a bf16 run shards even one rank (over
   a 1-rank group). Models that are never trained (the rollout engine, the frozen reference)
   simply hold bf16 parameters (`cast_parameters`);
+- `offload` (`memory.cpu_offload`): FSDP2's `CPUOffloadPolicy` keeps the shards of the
+  parameters and their gradients in host memory (AdamW's state follows its parameters), and
+  gathers a layer onto the device for its forward/backward only; like mixed precision it
+  lives inside `fully_shard`, so an offloaded model shards even one rank;
+- `shard_frozen`: the frozen reference sharded over the actor's group (no gradients, no
+  optimizer): each rank holds 1/dp of it, in the dtype it computes in;
 - `local_shards` / `full_state_dict`: a rank's own shards (what chapter 4's weight sync sends)
   and the whole weights (what a checkpoint stores) — always the fp32 masters;
 - `optimizer_state` / `load_optimizer_state`: AdamW state as plain tensors (picklable, saved
@@ -58,30 +64,74 @@ def mixed_precision(dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 
+def backend(device: str, *, offload: bool = False) -> str:
+    """The torch.distributed backend of a trained role's process group on `device`: gloo on
+    the CPU, NCCL on CUDA, and both when offloaded on CUDA ("cuda:nccl,cpu:gloo"): the
+    shards and gradients then live in host memory, and what reduces over them outside
+    FSDP2's own hooks (the global gradient norm, a full-tensor gather) runs on the CPU."""
+    if device != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload else "nccl"
+
+
 def shard_model(model: torch.nn.Module, group: ProcessGroup | None, world_size: int,
-                device: str, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                device: str, *, compute_dtype: torch.dtype = torch.float32,
+                offload: bool = False) -> torch.nn.Module:
     """Apply FSDP2 to each decoder layer and the root over `group`.
 
     `model` holds fp32 parameters; with a lower `compute_dtype` (bf16) the forward/backward
     runs in it and gradients are reduced in fp32, while parameters and optimizer state stay
-    fp32. That needs `fully_shard` even for one rank, so `group` is then required. An fp32
-    model on one rank is returned as it is (nothing to shard).
+    fp32. With `offload` the shards of the parameters and gradients live in host memory
+    (`offload_policy`). Both need `fully_shard` even for one rank, so `group` is then
+    required. An fp32 model on one rank without offload is returned as it is.
     """
     low = mixed_precision(compute_dtype)
-    if not low and (world_size == 1 or group is None):
+    if not (low or offload) and (world_size == 1 or group is None):
         return model
     if group is None:
-        raise ValueError(f"training in {compute_dtype} uses FSDP2's mixed precision, which "
-                         f"needs a process group (a 1-rank one for one rank)")
+        what = f"training in {compute_dtype}" if low else "memory.cpu_offload"
+        raise ValueError(f"{what} uses FSDP2 ({'mixed precision' if low else 'CPU offload'}),"
+                         f" which needs a process group (a 1-rank one for one rank)")
     if low and (bad := sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})):
         raise ValueError(f"mixed precision keeps fp32 master weights; the model holds {bad}")
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = DeviceMesh.from_group(group, device_type=device)
     # fp32 passes no policy at all (not an all-None one): plain FSDP2, no casts anywhere.
     kwargs = ({"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype,
                                                  reduce_dtype=torch.float32)} if low else {})
+    return _fully_shard(model, group, device, offload=offload, **kwargs)
+
+
+def shard_frozen(model: torch.nn.Module, group: ProcessGroup, device: str, *,
+                 offload: bool = False) -> torch.nn.Module:
+    """FSDP2 over `group` for a model that is never trained (the frozen reference).
+
+    Its parameters are kept in the dtype they hold (bf16 for a bf16 run: the shards, the
+    all-gathers and the forward are all bf16, so the function is the unsharded bf16 model's
+    and each rank holds 1/dp of it, not an fp32 master). No policy casts anything.
+
+    FSDP2 keeps the root's parameters gathered after a forward (the backward would gather
+    them again); a model without backward should be `reshard`-ed after its passes, or its
+    root's (embedding, head) weights stay whole on every rank.
+    """
+    return _fully_shard(model, group, device, offload=offload)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered parameter of an FSDP2 `model` (a no-op for a plain module)."""
+    _resharded(model)
+
+
+def _fully_shard(model: torch.nn.Module, group: ProcessGroup, device: str, *, offload: bool,
+                 **kwargs: Any) -> torch.nn.Module:
+    """`fully_shard` on each decoder layer, then the root, over `group`'s mesh on `device`."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device_type=device)
+    if offload:
+        # Pinned host memory makes the device copies asynchronous; it exists on CUDA only.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")
     # transformers decoders keep their blocks in `model.model.layers` (Qwen2, Llama, ...).
     trunk = getattr(model, "model", None)
     for layer in getattr(trunk, "layers", []):

@@ -10,7 +10,8 @@ trains. Per rank:
   `model.dtype=bfloat16` it computes in bf16 through FSDP2's mixed precision, over a 1-rank
   group when dp = 1);
 - the reference: a frozen copy of the initial policy, built only when a KL term is used, held
-  in `model.dtype` (it is never updated, so it needs no fp32 master copy);
+  in `model.dtype` (it is never updated, so it needs no fp32 master copy); sharded over the
+  actor's group like the actor whenever the actor is (`fsdp.shard_frozen`), no optimizer;
 - the rollout engine: a full, unsharded copy in `model.dtype` that generates
   (`torch_engine.TorchEngine` or `vllm_engine.VllmEngine`), refreshed from the actor by
   `sync_weights` (chapter 4), which casts the fp32 shards to the engine's dtype.
@@ -109,8 +110,15 @@ class PolicyWorker(TrainedWorker):
 
     def _initial_policy(self) -> torch.nn.Module:
         # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
-        model = fsdp.cast_parameters(self._fresh_model(), self.dtype)
-        return model.to(self.device).eval().requires_grad_(False)
+        model = fsdp.cast_parameters(self._fresh_model(), self.dtype).eval()
+        model.requires_grad_(False)
+        group = self._process_group  # the actor's, when it is sharded (dp > 1, bf16, offload)
+        if group is None:
+            return model.to(self.device)
+        # Sharded like the actor, in its own dtype: each rank holds 1/dp of it. fully_shard
+        # moves each layer to the device as it shards it, so it is never whole there.
+        return fsdp.shard_frozen(model, group, self.device,
+                                 offload=self.config.memory.cpu_offload)
 
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
         """This rank's rollout engine (`generation.build_engine`); a subclass whose ranks do
@@ -162,6 +170,8 @@ class PolicyWorker(TrainedWorker):
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
                 if ent is not None:
                     builder.metric("actor/entropy", ent[x.response_mask.bool()], "mean_tokens")
+        if reference:  # no backward will reshard its root (embedding, head): free them now
+            fsdp.reshard(model)
         return builder.build()
 
     # ---- training --------------------------------------------------------------------------

@@ -129,8 +129,9 @@ class WeightSync:
         start = time.perf_counter()
         mine: dict[str, int] = {}
         for names, plan in zip(self.groups, self.plans, strict=True):
-            # A no-op (the same tensors) when the dtypes already agree, e.g. fp32 training.
-            part = {n: shards[n].to(self.engine_dtype) for n in names}
+            # A no-op (the same tensors) when the dtypes already agree, e.g. fp32 training,
+            # and the shards are on `device` (not when offloaded: FSDP2's CPU offload).
+            part = {n: shards[n].to(device, self.engine_dtype) for n in names}
             sink.load(execute(plan, self.rank, part, group=group, device=device))
             # The fingerprint check: the checksums of the (cast) source shards, added over
             # all ranks, are the whole (cast) tensors' checksums.

@@ -9,7 +9,8 @@ rule, each error naming the field to change and what is allowed:
     placement  an address needs the ray backend; in-process runs one rank per role; a
                colocated critic fits in the policy's bundles
     pipeline   an in-process run has one rollout rank
-    hardware   CUDA runs on ray; bf16 trains on ray; vLLM on CPU needs a head dim it supports
+    hardware   CUDA runs on ray; bf16 and CPU offload train on ray; vLLM on CPU needs a
+               head dim it supports
     rollout    one GPU per vLLM engine (tensor_parallel_size=1)
     sizes      a whole sequence (prompt cap + response budget) fits in one micro-batch
     task       a character tokenizer needs the task's alphabet
@@ -100,6 +101,11 @@ def _hardware(config: PPOConfig) -> None:
     need(m.dtype == "float32" or p.backend == "ray", "model.dtype",
          f"{m.dtype!r} needs placement.backend='ray'; the in-process backend trains in "
          f"'float32' only")
+    # CPU offload is FSDP2's too (`CPUOffloadPolicy`), over a process group even for one rank.
+    need(not config.memory.cpu_offload or p.backend == "ray", "memory.cpu_offload",
+         "true needs placement.backend='ray' (FSDP2's CPU offload runs over a process group "
+         "per role, which the in-process backend's threads cannot have); set it to false or "
+         "use backend='ray'")
     head_dim = m.hidden_size // m.num_heads
     need(config.rollout.engine != "vllm" or p.device != "cpu" or m.path is not None
          or head_dim in VLLM_CPU_HEAD_DIMS, "model.num_heads",
