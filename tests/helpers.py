@@ -360,3 +360,28 @@ def ragged_batch(prompt_lens: Any, response_lens: Any, *, vocab: int, sample_ids
         packed[name] = [scale * torch.randn(r, generator=g) for r in response_lens]
     return Batch.from_rows(sample_ids=sample_ids, prompt_lens=prompt_lens,
                            response_lens=response_lens, packed=packed, scalars=scalars or {})
+
+
+def seconds_to_failure(cfg: Any, trainer_cls: type, match: str, *,
+                       validate_first: bool = False) -> float:
+    """Run `cfg` with `trainer_cls` until a step raises the `WorkerError` that `match`es;
+    return the seconds from the end of start-up to that error (inf if it came during
+    start-up). Start-up is the workers and the first push (`start`), and with
+    `validate_first` the first generation too (`validate`): the failures the tests inject
+    come after it."""
+    import pytest
+
+    from avrid.workers import WorkerError
+
+    elapsed = float("inf")
+    with pytest.raises(WorkerError, match=match), trainer_cls(cfg) as tr:
+        tr.start()
+        if validate_first:
+            tr.validate()
+        start = time.monotonic()
+        try:
+            for step in range(cfg.train.steps):
+                tr.train_step(step)
+        finally:
+            elapsed = time.monotonic() - start
+    return elapsed

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.reshard import StaleWeightsError
 from avrid.workers import WorkerError
-from tests.helpers import child_env
+from tests.helpers import child_env, seconds_to_failure
 from tests.pipeline_workers import (
     CorruptingRollout,
     DyingRollout,
@@ -297,24 +296,6 @@ class WithRaisingLearner(PipelinedTrainer):
     policy_worker = RaisingLearner
 
 
-def seconds_to_failure(cfg: PPOConfig, trainer_cls: type[PipelinedTrainer],
-                       match: str) -> float:
-    """Run `cfg` until a step raises the `WorkerError` that `match`es; the seconds from the
-    end of start-up (the workers, the first push and the first generation: `validate`) to
-    the error. The failures injected here all come after it."""
-    elapsed = float("inf")  # a failure during start-up fails the bound
-    with pytest.raises(WorkerError, match=match), trainer_cls(cfg) as tr:
-        tr.start()
-        tr.validate()
-        start = time.monotonic()
-        try:
-            for step in range(cfg.train.steps):
-                tr.train_step(step)
-        finally:
-            elapsed = time.monotonic() - start
-    return elapsed
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("trainer_cls", "match"), [
     (WithRaisingRollout, r"(?s)rollout\[0\]\.generate\(\).*injected rollout failure"),
@@ -326,7 +307,8 @@ def test_a_failing_rollout_worker_stops_the_run_naming_it(trainer_cls: type, mat
     # The third generate call fails (step 1's batch, made while step 0 trains): the error is
     # the failure itself, reported within at most two steps, before any call could have
     # timed out (train.call_timeout_s: what a lost failure would cost).
-    assert seconds_to_failure(cfg, trainer_cls, match) < cfg.train.call_timeout_s
+    seconds = seconds_to_failure(cfg, trainer_cls, match, validate_first=True)
+    assert seconds < cfg.train.call_timeout_s
 
 
 @pytest.mark.slow
@@ -334,7 +316,8 @@ def test_a_failing_learner_stops_the_run_while_a_generation_is_in_flight(
         ray_cluster: None) -> None:
     cfg = config("pipeline.mode=one_step_off", inprocess=False, steps=4)
     seconds = seconds_to_failure(cfg, WithRaisingLearner,
-                                 r"(?s)policy\[\d\]\.update\(\).*injected learner")
+                                 r"(?s)policy\[\d\]\.update\(\).*injected learner",
+                                 validate_first=True)
     assert seconds < cfg.train.call_timeout_s  # step 1's update: two steps, no timeout
 
 

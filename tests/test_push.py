@@ -30,8 +30,8 @@ from avrid.pipeline.transfer import push_buckets
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
-from avrid.workers import WorkerError
 from avrid.workers.outcome import free_port
+from tests.helpers import seconds_to_failure
 from tests.pipeline_workers import (
     CountingLearner,
     CountingRollout,
@@ -122,22 +122,6 @@ def check_counts(cfg: PPOConfig, *, built_before: int, in_process: bool) -> None
     else:  # a process per rank: trainer rank 0 and each rollout rank built one
         assert [built for built, _ in policy] == [1] + [0] * (len(policy) - 1)
         assert [built for built, _ in rollout] == [1] * rollouts
-
-
-def seconds_to_failure(cfg: PPOConfig, trainer_cls: type[PipelinedTrainer],
-                       match: str) -> float:
-    """Seconds from the end of start-up (its push included) to the `WorkerError` that
-    `match`es; the receiver stops in the second push, after start-up."""
-    elapsed = float("inf")
-    with pytest.raises(WorkerError, match=match), trainer_cls(cfg) as tr:
-        tr.start()
-        start = time.monotonic()
-        try:
-            for step in range(cfg.train.steps):
-                tr.train_step(step)
-        finally:
-            elapsed = time.monotonic() - start
-    return elapsed
 
 
 # ---- gloo, in-process ------------------------------------------------------------------------
