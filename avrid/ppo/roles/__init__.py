@@ -9,12 +9,14 @@ Read in this order:
 3. fsdp.py         sharding a model with FSDP2 and reading its full weights back
 4. trained.py      `TrainedWorker`: the base of the FSDP-trained roles (process group, build
                    or load, shard, AdamW, restore, state, close)
-5. generation.py   a rank's rollout engine: build it, load weights into it, generate a shard
-6. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
-7. weight_sync.py  the actor's shards into each rank's engine (chapter 4), streamed group by
+5. meta_init.py    a sharded role starting from a checkpoint: a meta-device skeleton, sharded,
+                   then filled from the one copy rank 0 loads (no whole model per GPU)
+6. generation.py   a rank's rollout engine: build it, load weights into it, generate a shard
+7. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
+8. weight_sync.py  the actor's shards into each rank's engine (chapter 4), streamed group by
                    group, fingerprint-checked
-8. handoff.py      one GPU, two tenants: the order in which the engine sleeps and wakes
-9. critic.py       `CriticWorker`: values and the clipped value-loss update
+9. handoff.py      one GPU, two tenants: the order in which the engine sleeps and wakes
+10. critic.py      `CriticWorker`: values and the clipped value-loss update
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each

@@ -20,8 +20,8 @@ import torch
 from avrid.dispatch import Shard
 from avrid.ppo.algo.losses import value_loss
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
-from avrid.ppo.engines.models import build_tiny_critic, load_critic, tiny_spec
-from avrid.ppo.roles import handoff
+from avrid.ppo.engines.models import build_tiny_critic, load_seeded_critic, tiny_spec
+from avrid.ppo.roles import handoff, meta_init
 from avrid.ppo.roles.forward import model_device, response_values, train_shard
 from avrid.ppo.roles.trained import TrainedWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -43,16 +43,19 @@ class CriticWorker(TrainedWorker):
         super().__init__(identity, config=config, vocab_size=vocab_size, pad_id=pad_id,
                          lr=config.train.critic_lr)
 
+    model_kind = meta_init.CRITIC
+
     def _build_model(self) -> torch.nn.Module:
         """The fp32 critic as at step 0: the tiny random one, or `model.critic_path` (else
-        `model.path`) with a new value head."""
+        `model.path`) with a new value head drawn from the run's seed."""
         cfg = self.config
         path = cfg.model.critic_path or cfg.model.path
         if path is None:
             # A different seed from the policy's: the two models should not start identical.
             return build_tiny_critic(tiny_spec(cfg, self.vocab_size), seed=cfg.train.seed + 1,
                                      dtype=torch.float32)
-        return load_critic(path, dtype=torch.float32)
+        # The same seed as the tiny critic's: the new value head is a function of the seed.
+        return load_seeded_critic(path, seed=cfg.train.seed + 1, dtype=torch.float32)
 
     def compute_values(self, shard: Shard) -> WorkerResult:
         """V(s_t) for every response token: packed "values"."""

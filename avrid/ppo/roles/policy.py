@@ -34,7 +34,8 @@ from avrid.ppo.algo.losses import kl_estimate, policy_loss
 from avrid.ppo.algo.off_policy import importance_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import initial_policy
-from avrid.ppo.roles import fsdp, handoff
+from avrid.ppo.engines.torch_engine import TorchEngine
+from avrid.ppo.roles import fsdp, handoff, meta_init
 from avrid.ppo.roles.forward import model_device, response_logprobs, train_shard
 from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
@@ -76,6 +77,7 @@ class PolicyWorker(TrainedWorker):
         # The one response budget: the engine's context (prompt cap + this) is sized from it.
         self.max_response = max_response_tokens
         self._engine_dir: str | None = None
+        self._engine_skeleton: torch.nn.Module | None = None  # meta init's torch engine
 
     def setup(self, weights: dict[str, torch.Tensor] | None = None,
               optimizer_state: dict | None = None) -> int:
@@ -83,6 +85,10 @@ class PolicyWorker(TrainedWorker):
         by `_before_shard`), then the engine's first weight sync; all ranks at once. Returns
         the number of actor parameters."""
         count = super().setup(weights, optimizer_state)
+        if self._engine_skeleton is not None:  # meta init: storage now, weights by the sync
+            meta_init.materialize_engine(self._engine_skeleton, self.model, self.device)
+            self.engine = TorchEngine(self._engine_skeleton, pad_token_id=self.pad_id)
+            self._engine_skeleton = None
         if self.engine is None:  # no engine of its own: nothing to keep in sync here
             return count
         ident = self.identity
@@ -96,6 +102,8 @@ class PolicyWorker(TrainedWorker):
         self.sync_weights()
         return count
 
+    model_kind = meta_init.POLICY
+
     def _build_model(self) -> torch.nn.Module:
         """The fp32 policy as at step 0 (`models.initial_policy`): the tiny random one from the
         run's seed, or the local checkpoint `model.path`. Builds the actor and the reference."""
@@ -103,7 +111,10 @@ class PolicyWorker(TrainedWorker):
                               pad_id=self.pad_id)
 
     def _before_shard(self, model: torch.nn.Module) -> None:
-        """The reference and the rollout engine, made while the actor's model is whole."""
+        """The reference and the rollout engine, made while the actor's model is whole. A
+        meta skeleton (`meta_init`: a sharded rank starting from a checkpoint) has no weights
+        to copy: the torch engine is then a skeleton of its own, given storage in `setup` and
+        its weights by the first sync (vLLM reads only the model's config either way)."""
         # The reference is the policy as it was at step 0, built only when a KL term is used.
         self.reference = self._initial_policy() if self.config.algo.kl_coef > 0 else None
         self.engine = self._make_engine(model)
@@ -123,6 +134,9 @@ class PolicyWorker(TrainedWorker):
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
         """This rank's rollout engine (`generation.build_engine`); a subclass whose ranks do
         not generate (chapter 6's trainer, with a rollout pool of its own) returns None."""
+        if model.device.type == "meta" and self.config.rollout.engine == "torch":
+            self._engine_skeleton = meta_init.engine_skeleton(model, self.dtype)
+            return None  # `setup` makes the engine once the skeleton has storage
         engine, self._engine_dir = build_engine(self.config, model, rank=self.identity.rank,
                                                 pad_id=self.pad_id,
                                                 max_response=self.max_response)
