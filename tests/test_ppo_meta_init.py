@@ -2,9 +2,10 @@
 that runs a real `PolicyWorker` or `CriticWorker` from a checkpoint written by
 ``save_pretrained``: the sharded model starts, computes and trains bit for bit as it did
 when every rank loaded the whole model (weights after setup and after one update, old and
-reference log-probs, the rollout engine's weights, values, the critic's new value head, the
-rotary buffers); a non-zero rank's peak resident memory during setup stays well under one
-full fp32 copy (the old path's exceeds one); a resume from sharded checkpoints still works.
+reference log-probs — the reference is filled from rank 0's copy too —, the rollout
+engine's weights, values, the critic's new value head, the rotary buffers); a non-zero
+rank's peak resident memory during setup stays well under one full fp32 copy (the old
+path's exceeds one); a resume from sharded checkpoints still works.
 
 Not here: the old path itself (the tiny random models: test_ppo_critic_fsdp.py,
 test_ppo_trainer.py), sharded checkpoints (test_ppo_sharded_checkpoint.py).
@@ -73,7 +74,7 @@ RANK_SCRIPT = textwrap.dedent("""
         f.write("5")
     before = status("VmRSS")
     w.setup(shards if mode == "resume" else None)
-    res = {"grew": status("VmHWM") - before, "meta": bool(used)}
+    res = {"grew": status("VmHWM") - before, "meta": len(used)}  # models filled
     if not mode.endswith("memory"):
         res["init"] = fsdp.full_state_dict(w.model)
         batch = ragged_batch([2, 3, 1, 2], [3, 1, 4, 2], vocab=VOCAB,
@@ -154,10 +155,12 @@ def test_meta_init_starts_and_trains_bit_for_bit_like_loading_everywhere(
     spec = TinyModelSpec(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_heads=2,
                          num_kv_heads=2, tie_embeddings=True)
     ckpt = save_checkpoint(tmp_path / "ckpt", spec)
+    # Filled from rank 0's copy: the actor and its (sharded) reference, or the critic.
+    fills = 2 if role == "policy" else 1
     assert [r["meta"] for r in run_ranks(tmp_path, "meta", role, ckpt,
-                                         dtype="bfloat16")] == [True, True]
+                                         dtype="bfloat16")] == [fills, fills]
     assert [r["meta"] for r in run_ranks(tmp_path, "old", role, ckpt,
-                                         dtype="bfloat16")] == [False, False]
+                                         dtype="bfloat16")] == [0, 0]
     for rank in (0, 1):
         new, old = load(tmp_path, "meta", role, rank), load(tmp_path, "old", role, rank)
         assert sorted(new) == sorted(old)
@@ -185,7 +188,7 @@ def test_a_non_zero_rank_never_holds_a_full_fp32_copy_during_setup(tmp_path: Pat
           [f"{r['grew'] / 2**20:.1f} MiB" for r in new],
           "old:", [f"{r['grew'] / 2**20:.1f} MiB" for r in old],
           f"one full fp32 copy: {full / 2**20:.1f} MiB")
-    assert new[1]["meta"] and not old[1]["meta"]
+    assert (new[1]["meta"], old[1]["meta"]) == (1, 0)
     assert new[1]["grew"] < 0.75 * full, new
     assert old[1]["grew"] >= full, old  # the measure sees a full copy where there is one
 
@@ -195,7 +198,7 @@ def test_a_meta_init_run_resumes_from_its_sharded_checkpoint(tmp_path: Path) -> 
                          num_kv_heads=2)
     ckpt = save_checkpoint(tmp_path / "ckpt", spec)
     run_ranks(tmp_path, "save", "policy", ckpt)
-    assert [r["meta"] for r in run_ranks(tmp_path, "resume", "policy", ckpt)] == [True, True]
+    assert [r["meta"] for r in run_ranks(tmp_path, "resume", "policy", ckpt)] == [2, 2]
     for rank in (0, 1):
         saved, resumed = load(tmp_path, "save", "policy", rank), load(tmp_path, "resume",
                                                                        "policy", rank)

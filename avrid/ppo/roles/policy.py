@@ -78,6 +78,7 @@ class PolicyWorker(TrainedWorker):
         self.max_response = max_response_tokens
         self._engine_dir: str | None = None
         self._engine_skeleton: torch.nn.Module | None = None  # meta init's torch engine
+        self._reference_unfilled = False  # meta init: the reference's skeleton awaits its fill
 
     def setup(self, weights: dict[str, torch.Tensor] | None = None,
               optimizer_state: dict | None = None) -> int:
@@ -85,6 +86,11 @@ class PolicyWorker(TrainedWorker):
         by `_before_shard`), then the engine's first weight sync; all ranks at once. Returns
         the number of actor parameters."""
         count = super().setup(weights, optimizer_state)
+        if self._reference_unfilled:  # meta init: from the one copy rank 0 loads, like the actor
+            full = (fsdp.cast_parameters(self._fresh_model(), self.dtype)
+                    if self.identity.rank == 0 else None)
+            meta_init.fill(self.reference, full, group=self._process_group, device=self.device)
+            self._reference_unfilled = False
         if self._engine_skeleton is not None:  # meta init: storage now, weights by the sync
             meta_init.materialize_engine(self._engine_skeleton, self.model, self.device)
             self.engine = TorchEngine(self._engine_skeleton, pad_token_id=self.pad_id)
@@ -116,12 +122,16 @@ class PolicyWorker(TrainedWorker):
         to copy: the torch engine is then a skeleton of its own, given storage in `setup` and
         its weights by the first sync (vLLM reads only the model's config either way)."""
         # The reference is the policy as it was at step 0, built only when a KL term is used.
-        self.reference = self._initial_policy() if self.config.algo.kl_coef > 0 else None
+        meta = model.device.type == "meta"  # then the reference is a skeleton, filled in setup
+        self.reference = self._initial_policy(meta) if self.config.algo.kl_coef > 0 else None
+        self._reference_unfilled = meta and self.reference is not None
         self.engine = self._make_engine(model)
 
-    def _initial_policy(self) -> torch.nn.Module:
+    def _initial_policy(self, meta: bool = False) -> torch.nn.Module:
         # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
-        model = fsdp.cast_parameters(self._fresh_model(), self.dtype).eval()
+        # `meta`: the actor is meta_init's skeleton, and so is the reference (`setup` fills it).
+        skeleton = meta_init.skeleton(self.config, meta_init.POLICY) if meta else None
+        model = fsdp.cast_parameters(self._fresh_model(skeleton), self.dtype).eval()
         model.requires_grad_(False)
         group = self._process_group  # the actor's, when it is sharded (dp > 1, bf16, offload)
         if group is None:
