@@ -122,7 +122,7 @@ class PolicyWorker(TrainedWorker):
         to copy: the torch engine is then a skeleton of its own, given storage in `setup` and
         its weights by the first sync (vLLM reads only the model's config either way)."""
         # The reference is the policy as it was at step 0, built only when a KL term is used.
-        meta = model.device.type == "meta"  # then the reference is a skeleton, filled in setup
+        meta = self.from_skeleton  # then the reference is a skeleton too, filled in `setup`
         self.reference = self._initial_policy(meta) if self.config.algo.kl_coef > 0 else None
         self._reference_unfilled = meta and self.reference is not None
         self.engine = self._make_engine(model)
@@ -144,7 +144,7 @@ class PolicyWorker(TrainedWorker):
     def _make_engine(self, model: torch.nn.Module):  # noqa: ANN202 (TorchEngine | VllmEngine)
         """This rank's rollout engine (`generation.build_engine`); a subclass whose ranks do
         not generate (chapter 6's trainer, with a rollout pool of its own) returns None."""
-        if model.device.type == "meta" and self.config.rollout.engine == "torch":
+        if self.from_skeleton and self.config.rollout.engine == "torch":
             self._engine_skeleton = meta_init.engine_skeleton(model, self.dtype)
             return None  # `setup` makes the engine once the skeleton has storage
         engine, self._engine_dir = build_engine(self.config, model, rank=self.identity.rank,

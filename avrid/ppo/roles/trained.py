@@ -79,6 +79,9 @@ class TrainedWorker(Worker, abc.ABC):
     model_kind: str | None = None
     """`meta_init.POLICY` or `meta_init.CRITIC`: what a checkpoint builds, so that a sharded
     rank can build it on the meta device (`meta_init.applies`); None keeps the old path."""
+    from_skeleton = False
+    """Set by `setup`: whether this rank's model is `meta_init`'s skeleton (what
+    `_before_shard` is then given: shapes and names, no weights)."""
 
     def __init__(self, identity: WorkerIdentity, *, config: PPOConfig, vocab_size: int,
                  pad_id: int, lr: float, strict_load: bool = True) -> None:
@@ -111,6 +114,7 @@ class TrainedWorker(Worker, abc.ABC):
         # From a checkpoint, sharded: a meta skeleton, filled after sharding from the whole
         # model that rank 0 alone loads, here as before (meta_init.py).
         meta = meta_init.applies(self.config, self.model_kind, group, ident.world_size, weights)
+        self.from_skeleton = meta
         full = self._fresh_model() if not meta or ident.rank == 0 else None
         model = (self._fresh_model(meta_init.skeleton(self.config, self.model_kind)) if meta
                  else full)
