@@ -15,7 +15,9 @@ The prediction is `estimate(config, vocab=32000, workload=<this batch>, runtime=
 batch's own sizes (rows, tokens computed, longest row, response positions) instead of the
 config's worst case, and no CUDA allowance. Each config's batch is length-skewed (a few long
 responses among short ones) and runs as one micro-batch. Printed: predicted, measured (median
-of `--repeats` runs) and their ratio per phase; the target is within 20% everywhere.
+of `--repeats` runs) and their ratio per phase; the target is within 20% everywhere. Also
+"resident": what the worker holds between phases after its first update (fp32 weights and
+AdamW's two moments predicted, 12 bytes a parameter; the engine asleep).
 
 Run: ``.venv/bin/python benchmarks/memory_estimate.py [--repeats 3]``. CPU only, about a
 minute on 2 cores. It always exits 0: a benchmark, not a test (tests/test_ppo_memory_estimate.py
@@ -59,7 +61,7 @@ def main() -> None:
           f"{'ratio':>6}")
     for name in CONFIGS:
         runs = [run_child(name) for _ in range(args.repeats)]
-        for phase in ("logprobs", "update"):
+        for phase in ("resident", "logprobs", "update"):
             got = statistics.median(r[phase] for r in runs)
             want = runs[0]["predicted"][phase]
             print(f"{name:<20} {runs[0]['tokens']:>6} {phase:>9} {want / 2**20:>10.0f} "
@@ -143,7 +145,9 @@ def measure(name: str) -> dict:
     worker.close()
     est = estimate(config, vocab=VOCAB, workload=workload_of_batch(name), runtime=0)
     by_name = {p.name: p.peak for p in est.phases}
-    out["predicted"] = {"logprobs": by_name["old log-probs"], "update": by_name["actor update"]}
+    resident = next(p for p in est.phases if p.name == "old log-probs").parts
+    out["predicted"] = {"logprobs": by_name["old log-probs"], "update": by_name["actor update"],
+                        "resident": resident["optim"] + 4 * est.policy.params}
     out["tokens"] = est.workload.tokens
     return out
 

@@ -135,10 +135,10 @@ def workload_of(config: PPOConfig) -> Workload:
     seq = config.rollout.max_prompt_tokens + response
     step_seqs = t.prompts_per_step * config.algo.responses_per_prompt
     rank_seqs = max(1, math.ceil(min(t.mini_batch_size, step_seqs) / dp))
-    if config.memory.pack_sequences:
+    if config.memory.pack_sequences:  # the real tokens; rows of half the longest on average
         tokens = min(t.micro_batch_tokens, rank_seqs * seq)
-        rows = max(1, math.ceil(tokens / seq))
-        resp = min(rows * response, max(1, tokens * response // seq))
+        rows = max(1, min(rank_seqs, tokens // max(1, seq // 2)))
+        resp = max(1, tokens * response // seq)
     else:  # right-padded: n rows of the longest, n = the budget over a half-length sequence
         rows = max(1, min(rank_seqs, t.micro_batch_tokens // max(1, seq // 2)))
         tokens, resp = rows * seq, rows * response
@@ -149,23 +149,36 @@ def workload_of(config: PPOConfig) -> Workload:
                     gen_rows=gen_rows, gen_len=seq)
 
 
+PACKED_SDPA = "packed sdpa"
+"""SDPA one sequence at a time over a packed row (`engines.packed_attention`)."""
+
+
 def attention_kernel(config: PPOConfig) -> str:
-    """The trained models' kernel (`models.trainer_attention`, without importing torch)."""
+    """The trained models' kernel, as `models.trainer_attention` picks it (without importing
+    torch): flash-attn 2 for "auto" on CUDA where installed; SDPA ("auto" or "sdpa") over
+    packed rows is the per-sequence kernel; otherwise the choice itself."""
     choice, device = config.memory.attention, config.placement.device
-    if choice != "auto":
-        return choice
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if choice == "auto" and device == "cuda" and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    return "sdpa"
+    if choice in ("auto", "sdpa"):
+        return PACKED_SDPA if config.memory.pack_sequences else "sdpa"
+    return choice
 
 
 def _attention_bytes(shape: ModelShape, w: Workload, kernel: str, cd: int, packed: bool, *,
                      grad: bool, layers_saved: int) -> int:
-    """What attention adds beyond the per-token activations: the mask (sdpa) or the score
-    matrices (eager: heads x L x L per row, saved by every layer that keeps activations)."""
-    squares = w.tokens * w.tokens if packed else w.rows * w.longest * w.longest
+    """What attention adds beyond the per-token activations (`ACT_*` count q, k, v and the
+    output once per token): the per-sequence kernel's (rows, heads, longest, dim) copies of
+    q, k, v (GQA-expanded) and output; the mask of SDPA over padded rows; eager's score
+    matrices (heads x L x L per row, saved by every layer that keeps activations)."""
     if kernel == "flash_attention_2":
         return 0
+    slots = w.rows * w.longest  # the (rows x longest) grid a padded or gathered layout fills
+    if kernel == PACKED_SDPA:
+        extra = cd * max(0, 4 * slots * shape.hidden
+                         - w.tokens * (2 * shape.hidden + 2 * shape.kv_width))
+        return extra * (layers_saved if grad else 1)
+    squares = w.tokens * w.tokens if packed else w.rows * w.longest * w.longest
     if kernel == "sdpa":
         return 4 * squares  # one float mask (measured: ~4 bytes per entry on CPU)
     per_layer = shape.heads * squares * 4  # softmax in fp32
@@ -194,14 +207,12 @@ def _forward_bytes(shape: ModelShape, w: Workload, config: PPOConfig, cd: int, *
     backward = n * cd * (RECOMPUTE_H * h + RECOMPUTE_I * i)
     if checkpointing:  # each layer's input; one layer recomputed at a time in backward
         saved = (layers + 1) * n * h * cd
-        backward += _layer_activation_bytes(shape, n, cd)
-        layers_saved = 1
+        backward += _layer_activation_bytes(shape, n, cd) + _attention_bytes(
+            shape, w, kernel, cd, packed, grad=True, layers_saved=1)
     else:
-        saved = layers * _layer_activation_bytes(shape, n, cd) + n * h * cd
-        layers_saved = layers
-    attention = _attention_bytes(shape, w, kernel, cd, packed, grad=True,
-                                 layers_saved=layers_saved)
-    return saved + attention + hidden_rows + max(0, backward - logits)
+        saved = layers * _layer_activation_bytes(shape, n, cd) + n * h * cd + _attention_bytes(
+            shape, w, kernel, cd, packed, grad=True, layers_saved=layers)
+    return saved + hidden_rows + max(0, backward - logits)
 
 
 def _logit_bytes(shape: ModelShape, w: Workload, chunk: int, *, grad: bool,
@@ -315,8 +326,9 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
         host = 16 * math.ceil(policy.params / p.actor_dp)
         notes.append("memory.cpu_offload: fp32 masters, gradients and AdamW state in host "
                      f"memory ({host / GiB:.1f} GiB per rank)")
-    if kernel == "sdpa" and p.device == "cuda":
-        notes.append("attention: sdpa assumed (flash-attn is not installed here)")
+    if kernel in ("sdpa", PACKED_SDPA) and p.device == "cuda":
+        notes.append(f"attention: {kernel} assumed (flash-attn is not installed here; with "
+                     f"it, memory.attention=auto runs flash_attention_2: less)")
     return Estimate(phases=tuple(_ordered(ph) for ph in phases), policy=policy, critic=critic,
                     workload=w, attention=kernel, notes=tuple(notes), host_bytes=host)
 
