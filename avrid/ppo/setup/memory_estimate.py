@@ -245,7 +245,7 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
     kernel = attention_kernel(config)
     ckpt = config.checkpoints_activations
     offload = mem.cpu_offload
-    fsdp = p.actor_dp > 1 or cd != 4
+    fsdp = p.actor_dp > 1 or cd != 4 or offload  # FSDP2 wraps the model (`fsdp.shard_model`)
     rt = (CUDA_RUNTIME if p.device == "cuda" else 0) if runtime is None else runtime
     notes: list[str] = []
 
@@ -255,7 +255,7 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
     ref = cd * math.ceil(policy.params / p.actor_dp) if a.kl_coef > 0 else 0
     colocated_critic = critic is not None and p.colocate_critic
     critic_state = _state_parts(critic, critic.critic_params, p.critic_dp, cd,
-                                fsdp=p.critic_dp > 1 or cd != 4,
+                                fsdp=p.critic_dp > 1 or cd != 4 or offload,
                                 offload=offload) if critic is not None else {}
     resident_critic = sum(critic_state.values()) if colocated_critic else 0
     base = {"runtime": rt, "ref": ref, "critic": resident_critic}

@@ -117,7 +117,9 @@ def report(config: PPOConfig, gpu_bytes: int, *, label: str = "") -> str:
     lines = [_describe(config, est, gpu_bytes, label)]
     for gpu, count in _gpus(config):
         if any(p.gpu == gpu for p in est.phases):
-            lines += ["", f"per GPU: {gpu} GPU (one of {count})"] + table(est, gpu)
+            where = ("GPU" if config.placement.device == "cuda"
+                     else "rank (placement.device=cpu: host memory)")
+            lines += ["", f"per {where}: {gpu} rank (one of {count})"] + table(est, gpu)
     lines += [f"note: {n}" for n in est.notes]
     fits, line = verdict(est, gpu_bytes)
     lines += ["", line]
@@ -152,7 +154,8 @@ def _describe(config: PPOConfig, est: Estimate, gpu_bytes: int, label: str) -> s
         f"memory estimate{' of ' + label if label else ''}: {s.params / 1e6:.1f}M parameters "
         f"(hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, vocab "
         f"{s.vocab}{', tied head' if s.tied else ''}; shape from {s.source})",
-        f"  {total} GPU(s) of {_gib(gpu_bytes)} GiB ({config.placement.device}); actor_dp="
+        f"  {total} {'GPU' if config.placement.device == 'cuda' else 'CPU rank'}(s) of "
+        f"{_gib(gpu_bytes)} GiB; actor_dp="
         f"{config.placement.actor_dp}, {m.dtype} compute (fp32 masters + AdamW), "
         f"attention {est.attention}, checkpointing "
         f"{'on' if config.checkpoints_activations else 'off'}, "
