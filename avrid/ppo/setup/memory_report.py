@@ -88,7 +88,9 @@ def _ladder(config: PPOConfig) -> list[list[str]]:
                 sets = [] if config.checkpoints_activations else [
                     "train.gradient_checkpointing=true"]
                 if dp != p.actor_dp:
-                    sets += [f"placement.actor_dp={dp}", f"placement.critic_dp={dp}"]
+                    sets.append(f"placement.actor_dp={dp}")
+                    if config.algo.uses_critic:  # its own ranks, sharded alike
+                        sets.append(f"placement.critic_dp={dp}")
                 if mbt != t.micro_batch_tokens:
                     sets.append(f"train.micro_batch_tokens={mbt}")
                 if offload:
