@@ -49,15 +49,20 @@ def _gib(n: int) -> str:
 
 
 def table(est: Estimate, gpu: str) -> list[str]:
-    """The rows of one GPU kind: a phase per row, a component per column, GiB."""
+    """The rows of one GPU kind: a phase per row, a component per column, in GiB (MiB where
+    every phase's peak is under 1 GiB: a CPU run's tiny model would read all 0.00)."""
     cols = [c for c in COMPONENTS if any(p.parts[c] for p in est.phases if p.gpu == gpu)]
     width = max(len(p.name) for p in est.phases) + 2
-    head = f"{'phase (GiB)':<{width}}" + "".join(f"{c:>9}" for c in cols) + f"{'PEAK':>9}"
+    small = max(p.peak for p in est.phases if p.gpu == gpu) < GiB
+    unit, scale = ("MiB", 1 << 20) if small else ("GiB", GiB)
+    head = (f"{f'phase ({unit})':<{width}}" + "".join(f"{c:>9}" for c in cols)
+            + f"{'PEAK':>9}")
     lines = [head]
     for p in est.phases:
         if p.gpu == gpu:
-            lines.append(f"{p.name:<{width}}" + "".join(f"{_gib(p.parts[c]):>9}" for c in cols)
-                         + f"{_gib(p.peak):>9}")
+            lines.append(f"{p.name:<{width}}"
+                         + "".join(f"{p.parts[c] / scale:>9.2f}" for c in cols)
+                         + f"{p.peak / scale:>9.2f}")
     return lines
 
 
