@@ -83,6 +83,14 @@ RANK_SCRIPT = textwrap.dedent("""
         shard = Shard(index=rank, batch=batch, micro_bounds=(0, 2, 4))
         if role == "policy":
             res["engine"] = w.engine_weights()
+            # The engine generates (its kernel, its weights): the same tokens and log-probs.
+            rows = [batch.packed["tokens"].row(i)[:n] for i, n in enumerate([2, 3])]
+            prompts = Shard(index=rank, micro_bounds=(0, 2), batch=Batch.from_rows(
+                sample_ids=[0, 1], prompt_lens=[2, 3], response_lens=[0, 0],
+                packed={"tokens": rows}))
+            gen = w.generate(prompts, max_new_tokens=3, greedy=False, seed=rank).outputs
+            res["response"], res["rollout_logp"] = (gen.packed[k] for k in
+                                                    ("response", "rollout_logp"))
             for name, ref in (("old_logp", False), ("ref_logp", True)):
                 res[name] = w.compute_logprobs(shard, reference=ref).outputs.packed[name]
             batch = Batch(sample_ids=batch.sample_ids, prompt_lens=batch.prompt_lens,
@@ -206,3 +214,44 @@ def test_a_meta_init_run_resumes_from_its_sharded_checkpoint(tmp_path: Path) -> 
         # The engine holds the resumed weights (the first sync), not the checkpoint's.
         assert_bit_equal(resumed["engine"], {n: t.to(resumed["engine"][n].dtype)
                                              for n, t in saved["trained"].items()}, "engine")
+
+
+def pretrained(path: Path) -> Path:
+    """A checkpoint as `model.path` names one: a tiny policy and its own word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", *"0123456789+=-*abcdefghijklmnopqrstuvwxyz"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
+                            pad_token="<pad>").save_pretrained(path)
+    return save_checkpoint(path, TinyModelSpec(vocab_size=len(words), max_positions=128))
+
+
+@pytest.mark.slow
+def test_a_ray_run_from_a_checkpoint_with_meta_init_matches_the_old_path(
+        tmp_path: Path, ray_cluster: None) -> None:
+    # Ray workers, dp = 2, PPO with a KL term: the actor, its reference and the critic start
+    # from the checkpoint by meta init. `memory.cpu_offload` keeps the old path (every rank
+    # loads the whole model; `meta_init.applies`) and changes no result (test_ppo_cpu_offload).
+    from avrid.ppo.driver.run import train
+    from avrid.ppo.setup.overrides import with_overrides
+    from avrid.ppo.setup.presets import preset
+    from tests.test_ppo_trainer import algorithmic
+
+    ckpt = pretrained(tmp_path / "pretrained")
+
+    def run(name: str, offload: bool) -> list[dict]:
+        cfg = with_overrides(preset("tiny-ppo"), [
+            f"model.path={ckpt}", "model.tokenizer=null",
+            "placement.backend=ray", "placement.actor_dp=2", "placement.critic_dp=2",
+            "train.steps=2", "train.prompts_per_step=8", "algo.responses_per_prompt=4",
+            "train.mini_batch_size=16", "train.val_prompts=8", "train.val_every=1000",
+            "algo.kl_coef=0.01", "train.progress=false", f"train.out_dir={tmp_path / name}",
+            f"memory.cpu_offload={str(offload).lower()}"])
+        return train(cfg).rows
+
+    meta, old = run("meta", False), run("old", True)
+    assert len(meta) == 3
+    assert algorithmic(meta) == algorithmic(old)

@@ -134,12 +134,17 @@ def fill(model: torch.nn.Module, full: torch.nn.Module | None, *, group: Process
 
 
 def engine_skeleton(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of the (unsharded, meta) skeleton `model` for the torch rollout engine, its
-    parameters in `dtype` and buffers as they are (`fsdp.cast_parameters`), still on meta:
-    `materialize_engine` gives it storage once the actor's buffers are filled."""
+    """A copy of the (unsharded, meta) skeleton `model` for the torch rollout engine, as
+    `generation.build_engine` makes its copy of a whole model: parameters in `dtype`, buffers
+    as they are (`fsdp.cast_parameters`), the attention kernel models are built with (the
+    engine decodes left-padded batches through a KV cache, not the trainer's packed rows).
+    Still on meta: `materialize_engine` gives it storage once the actor's buffers are filled."""
+    from avrid.ppo.engines.models import ATTN_IMPLEMENTATION
     from avrid.ppo.roles.fsdp import cast_parameters
 
-    return cast_parameters(copy.deepcopy(model), dtype).eval()
+    engine_model = cast_parameters(copy.deepcopy(model), dtype).eval()
+    engine_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return engine_model
 
 
 def materialize_engine(engine_model: torch.nn.Module, actor: torch.nn.Module,
