@@ -2,10 +2,12 @@
 
 The actor (`PolicyWorker`) and the critic (`CriticWorker`) are trained alike. Each rank joins
 the role's process group when it needs one, builds (or loads) its model — every rank the
-same weights —, takes a checkpoint's weights when resuming, shards the model with FSDP2
-(`fsdp.py`), makes AdamW over its shards, restores a checkpoint's optimizer state, and later
-hands its state to a checkpoint (`state`) and leaves the group (`close`). That scaffolding is
-written once, here, in `setup`; a subclass adds only what is its own:
+same weights; a sharded role starting from a checkpoint builds a meta-device skeleton and
+fills it after sharding from the one copy rank 0 loads, `meta_init.py` —, takes a
+checkpoint's weights when resuming, shards the model with FSDP2 (`fsdp.py`), makes AdamW
+over its shards, restores a checkpoint's optimizer state, and later hands its state to a
+checkpoint (`state`) and leaves the group (`close`). That scaffolding is written once, here,
+in `setup`; a subclass adds only what is its own:
 
 - `_build_model`: the role's fp32 model as it is at step 0 (the tiny random one from the
   run's seed, or a local checkpoint);
@@ -161,7 +163,9 @@ class TrainedWorker(Worker, abc.ABC):
 
     def _before_shard(self, model: torch.nn.Module) -> None:
         """Called once with the whole model (on its device, weights restored) just before
-        FSDP2 shards it in place: the moment to copy anything out of it. Nothing here."""
+        FSDP2 shards it in place: the moment to copy anything out of it. Under meta init
+        (`from_skeleton`) it is the skeleton instead: shapes and names, no weights. Nothing
+        here."""
 
     def _set_lr(self, step: int, builder: ResultBuilder, prefix: str) -> None:
         """Set the optimizer's learning rate for training step `step` (`lr_at`); it is
