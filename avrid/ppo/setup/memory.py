@@ -39,8 +39,8 @@ class MemoryConfig:
     flash-attn package is installed (its varlen kernel runs packed rows without a mask), else
     "sdpa" (PyTorch's fused attention, which never stores the heads x L x L weights; on packed
     rows one sequence at a time, `engines/packed_attention.py`); "eager" = the explicit
-    softmax(QK^T)V (on packed rows over an N x N block-diagonal mask: slow, for checks). The torch rollout engine, a copy of the actor,
-    runs the same kernel; vLLM picks its own."""
+    softmax(QK^T)V (on packed rows over an N x N block-diagonal mask: slow, for checks).
+    The rollout engines keep their own kernels (the torch engine decodes with eager)."""
     logprob_chunk: int = 512
     """Response positions the output projection runs at once when computing log-probs and
     entropies: the (positions x vocabulary) fp32 logits exist for one chunk at a time, never
