@@ -139,7 +139,26 @@ def test_qwen_gsm8k_fits_one_80gb_gpu_with_headroom(capsys: pytest.CaptureFixtur
         assert re.search(rf"^{name}\s+[0-9.]", out, re.MULTILINE), name
     headroom = int(re.search(r"fits with (\d+)% headroom", out).group(1))
     assert headroom >= 10
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_the_estimate_starts_no_ray_and_builds_no_model() -> None:
+    # In a fresh process: this one may hold the suite's Ray cluster already.
+    probe = (
+        "import sys, transformers\n"
+        "built = []\n"
+        "init = transformers.PreTrainedModel.__init__\n"
+        "def counting(self, *a, **k):\n"
+        "    built.append(type(self).__name__); init(self, *a, **k)\n"
+        "transformers.PreTrainedModel.__init__ = counting\n"
+        "from avrid.cli import main\n"
+        "code = main(['ppo', '--preset', 'qwen-gsm8k', '--estimate-memory']) or 0\n"
+        "ray = sys.modules.get('ray')\n"
+        "print('RESULT', code, bool(ray and ray.is_initialized()), len(built))\n")
+    done = subprocess.run([sys.executable, "-c", probe], env=child_env(), capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    code, ray_started, modules = done.stdout.split("RESULT")[-1].split()
+    assert (code, ray_started, modules) == ("0", "False", "0"), done.stdout
 
 
 def test_a_7b_config_gets_a_layout_that_fits_eight_80gb_gpus(
