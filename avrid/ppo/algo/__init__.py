@@ -2,14 +2,18 @@
 
 Read in this order:
 
-1. logprobs.py    log-probabilities and entropy of tokens from logits, at a temperature
-2. advantages.py  KL-penalised rewards, GAE, whitening, GRPO's group-normalised advantages
-3. losses.py      KL estimators, the four loss-aggregation modes as per-token weights, the
-                  clipped policy loss (dual clip, asymmetric clip) and the clipped value loss
-4. off_policy.py  chapter 6's off-policy correction: per-token importance weights for stale
-                  batches (none, truncated IS, decoupled PPO)
+1. logprobs.py       log-probabilities and entropy of tokens from logits, at a temperature
+2. advantages.py     KL-penalised rewards, GAE, whitening, GRPO's group-normalised advantages
+3. losses.py         KL estimators, the four loss-aggregation modes as per-token weights, the
+                     clipped policy loss (dual clip, asymmetric clip) and the clipped value loss
+4. estimators.py     more critic-free advantages: RLOO, REINFORCE++, REINFORCE++-baseline
+5. policy_losses.py  alternatives to the token-clipped loss: GSPO's sequence-level ratio and
+                     CISPO's clipped, stop-gradient importance weight
+6. off_policy.py     chapter 6's off-policy correction: per-token importance weights for stale
+                     batches (none, truncated IS, decoupled PPO)
 
 Every formula is in a docstring and checked against numbers worked by hand in
-tests/test_ppo_math.py and tests/test_off_policy.py; the same functions run on the driver
-and inside the workers.
+tests/test_ppo_math.py and tests/test_off_policy.py; the estimators and losses that verl also
+has are checked against verl's code, transcribed, in tests/test_ppo_estimators.py. The same
+functions run on the driver and inside the workers.
 """
