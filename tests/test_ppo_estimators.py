@@ -178,14 +178,15 @@ def poison(x: torch.Tensor, mask: torch.Tensor, value: float = 1e9) -> torch.Ten
 
 
 @st.composite
-def batches(draw, *, holes: bool = False):
-    """(mask float (B, T), group ids np.int64 (B,), torch.Generator): 1-4 groups of 2-16
-    responses in shuffled order, ragged lengths (empty rows too), >= 2 valid tokens."""
-    sizes = draw(st.lists(st.integers(2, 16), min_size=1, max_size=4))
+def batches(draw, *, holes: bool = False, smallest: int = 2):
+    """(mask float (B, T), group ids np.int64 (B,), torch.Generator): 1-4 groups of
+    `smallest`-16 responses in shuffled order, ragged lengths (empty rows too), >= 2 valid
+    tokens in all."""
+    sizes = draw(st.lists(st.integers(smallest, 16), min_size=1, max_size=4))
     width = draw(st.integers(2, 12))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    ids = np.repeat(np.arange(len(sizes)) * 7 + 100, sizes)[torch.randperm(sum(sizes),
-                                                                              generator=gen)]
+    order = torch.randperm(sum(sizes), generator=gen).numpy()
+    ids = np.repeat(np.arange(len(sizes)) * 7 + 100, sizes)[order]
     lengths = torch.randint(0, width + 1, (len(ids),), generator=gen)
     lengths[0] = max(int(lengths[0]), 2)
     mask = (torch.arange(width) < lengths.unsqueeze(1)).float()
@@ -201,7 +202,7 @@ def token_level_rewards(mask: torch.Tensor, gen: torch.Generator) -> torch.Tenso
 
 
 @settings(max_examples=60)
-@given(batch=batches())
+@given(batch=batches() | batches(smallest=1))  # groups of one too: verl's baseline is 0 there
 def test_rloo_and_reinforce_pp_baseline_equal_verl(batch):
     mask, ids, gen = batch
     tlr = token_level_rewards(mask, gen)
