@@ -107,7 +107,8 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, *,
         gamma: discount in [0, 1]; 1 for the usual LLM setting.
 
     Returns:
-        (B, T) float32 advantages, 0 on padding. They carry no gradient.
+        (B, T) float32 advantages, 0 on padding. They carry no gradient. (verl also returns
+        the unwhitened G as "returns"; without a critic nothing reads them, so avrid does not.)
 
     Example:
         >>> a = reinforce_pp_advantages(torch.tensor([[0.0, 1.0], [0.0, 0.0]]),
@@ -143,7 +144,7 @@ def reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tens
     Unlike GRPO the scale comes from the whole batch, not from each prompt's std, so a prompt
     whose few responses happen to agree is not blown up by a tiny std. The whitening is over
     TOKENS: a long response weighs more in the batch mean and variance, exactly as in verl.
-    The KL penalty belongs in the loss here (the paper's choice); verl sums its
+    The KL term may go in the loss (pass the task score) or in the reward: verl sums its
     token_level_rewards into the score, so with KL in the reward pass that row sum as `scores`.
 
     Args:
