@@ -35,6 +35,10 @@ pytest_plugins = ["pytester"]
 # The hypothesis and anyio plugins take ~0.8 s of each test process's ~1.1 s start-up here;
 # the synthetic suite needs neither. Set through the environment so every process inherits it.
 FAST_START = "-p no:hypothesispytest -p no:anyio -p no:cacheprovider"
+HANG_TIMEOUT_S = 5.0
+"""The hung tests' timeout. It counts from the test process's start, so it must leave room for
+that start-up (~1.1 s idle, over 2 s on a busy machine: at 2 s the timeout once fired during
+the test's setup, before it could hang) and the test's own first lines."""
 
 
 def gone(pid: int, within_s: float = 5.0) -> bool:
@@ -151,14 +155,15 @@ def test_a_timed_out_test_loses_its_whole_process_group_even_if_it_ignores_sigte
         "    Path('pids').write_text(f'{p.pid} {__import__(\"os\").getpid()}')\n"
         "    time.sleep(1000)\n")
     spec = ChildSpec(nodeid="test_stubborn.py::test_stubborn", devices="fake0", omp_threads=1,
-                     timeout_s=2.0, rootdir=tmp_path, inifile=None, workdir=tmp_path / "run")
+                     timeout_s=HANG_TIMEOUT_S, rootdir=tmp_path, inifile=None,
+                     workdir=tmp_path / "run")
     child = Child(spec, environ=child_env(PYTEST_ADDOPTS=FAST_START), grace_s=0.5)
     started = time.monotonic()
     while (exit := child.poll()) is None:
         assert time.monotonic() - started < 30, "the stubborn test was never killed"
         time.sleep(0.05)
     assert exit.timed_out and exit.returncode == -signal.SIGKILL
-    assert 2.4 <= exit.wall_s < 10
+    assert HANG_TIMEOUT_S + 0.4 <= exit.wall_s < HANG_TIMEOUT_S + 10
     grandchild, test_process = map(int, (tmp_path / "pids").read_text().split())
     assert test_process == exit.pgid
     assert gone(grandchild) and gone(test_process)
@@ -223,7 +228,7 @@ def test_fails():
     time.sleep(0.3)
     assert 1 == 2, "boom"
 
-@pytest.mark.gpu(count=1, timeout_s=2.0)
+@pytest.mark.gpu(count=1, timeout_s=5.0)
 def test_hangs():
     child = subprocess.Popen(["sleep", "1000"])
     (HERE / "hung.pids").write_text(f"{child.pid} {os.getpid()}")
@@ -252,6 +257,7 @@ def test_skips_itself():
 def test_plain():
     time.sleep(0.2)
 '''
+assert f"timeout_s={HANG_TIMEOUT_S}" in SUITE  # the synthetic hung test's own timeout
 SLEEPS = {"test_four": 1.2, "test_two_a": 1.0, "test_two_b": 0.6, "test_one_a": 1.5,
           "test_one_b": 0.8, "test_one_c": 0.5, "test_vllm": 0.3, "test_fails": 0.3,
           "test_oom_once": 0.3, "test_plain": 0.2}
@@ -296,7 +302,8 @@ def test_scheduled_run_end_to_end(suite: pytest.Pytester) -> None:
     first.assert_outcomes(passed=9, failed=2, skipped=3)
     # the failure is the test's own traceback; the hung test's says what was done to it
     assert "AssertionError: boom" in out
-    assert re.search(r"timed out after 2 s in its call: its process group \d+ was killed", out)
+    assert re.search(rf"timed out after {HANG_TIMEOUT_S:g} s in its call: its process group \d+ "
+                     r"was killed", out)
     grandchild, test_process = map(int, (suite.path / "hung.pids").read_text().split())
     assert gone(grandchild) and gone(test_process)
     assert "needs 8 GPUs, the inventory has 4" in out
@@ -330,13 +337,14 @@ def test_scheduled_run_end_to_end(suite: pytest.Pytester) -> None:
     figures = summary(second)
     # test_one_c, test_vllm, test_hangs, test_skips_itself: learnt, not declared
     assert figures["cache"] == 4
-    # The run keeps to its policy: played over what each test really took, the policy gives
-    # the wall time up to the scheduler's own lag. (Against the plan itself the wall time also
-    # carries the error of the expected durations, which a busy machine moves by 10-20 %: CI
-    # once saw 6.93 s against 6.16 s planned.)
-    assert figures["wall"] <= 1.05 * figures["replayed"] + 0.25, second.stdout.str()
-    # ... and the learnt durations make a plan of the right size, neither way off
-    assert 0.5 * figures["wall"] <= figures["planned"] <= 1.5 * figures["wall"], second.stdout.str()
+    # The figures describe this run: the replayed makespan (the policy played over what each
+    # test really took) and the plan are of the wall time's size. Not a tight bound: the gap
+    # is the scheduler's lag and the durations' error, both set by the machine's load (under
+    # two busy loops the wall time ran 0.0-1.0 s past the replay, 6.93 s against a 6.16 s
+    # plan in CI); timings belong in benchmarks/, not in a test.
+    for figure in ("replayed", "planned"):
+        assert 0.5 * figures["wall"] <= figures[figure] <= 2 * figures["wall"], (
+            figure, second.stdout.str())
     assert gone(int((suite.path / "hung.pids").read_text().split()[0]))
 
 
