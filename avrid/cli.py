@@ -47,6 +47,10 @@ USER_ERRORS = (ValueError, TypeError, OSError, ImportError, PlacementError, Work
 worker's failure (its role, rank, method and message). Anything else is a bug in avrid and
 keeps its traceback."""
 
+ALGOS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""`--algo`'s choices: the built-in estimators of `avrid/ppo/algo/registry.py`, written out
+here so that `avrid --help` needs no torch (tests/test_cli_config.py keeps them equal)."""
+
 # (package under chapters/, video topic) — one line per chapter that exists so far.
 CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch01_workers", "Ray basics, worker identity, the mesh and placement groups"),
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--preset", help=_preset_help() if words[:1] == ["ppo"] else "a preset")
     ppo.add_argument("--config", metavar="FILE", help="a whole config from a .yaml/.yml/.json "
                      "file (as --print-config writes it); instead of --preset")
-    ppo.add_argument("--algo", choices=("ppo", "grpo"), help="override algo.name")
+    ppo.add_argument("--algo", choices=ALGOS, help="override algo.name (your own estimator: "
+                     "--set algo.name=module:function)")
     ppo.add_argument("--steps", type=int, help="override train.steps")
     ppo.add_argument("--seed", type=int, help="override train.seed")
     ppo.add_argument("--out", help="override train.out_dir")
@@ -308,8 +313,8 @@ def _first_config(args: argparse.Namespace) -> PPOConfig:
                              f"write one from a preset with --preset NAME --print-config)")
         return read_config(args.config)
     name = args.preset or "tiny-ppo"
-    if args.algo == "grpo" and name == "tiny-ppo":
-        name = "tiny-grpo"  # the default run's GRPO twin (bigger groups, its own out_dir)
+    if args.algo not in (None, "ppo") and name == "tiny-ppo":
+        name = "tiny-grpo"  # the default run's critic-free twin (its lr, its own out_dir)
     return preset(name)
 
 

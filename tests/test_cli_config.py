@@ -225,7 +225,8 @@ def test_help_config_lists_every_field_with_its_default(
             [line] = [ln for ln in out.splitlines() if ln.lstrip().startswith(f"{section}.{name}:")]
             assert line.endswith(f" = {json.dumps(value)}"), line
             assert docs[name].splitlines()[0] in out, f"{section}.{name} has no docstring shown"
-    assert 'algo.name: "ppo" | "grpo" = "ppo"' in out
+    assert 'algo.kl_in: "reward" | "loss" = "loss"' in out
+    assert 'algo.name: str = "ppo"' in out  # a built-in estimator or "module:function"
     code, only, _ = run_main(capsys, "ppo", "--help-config", "algo")
     assert code == 0 and "algo.clip_low" in only and "train.steps" not in only
     code, _, err = run_main(capsys, "ppo", "--help-config", "trian")
@@ -257,3 +258,10 @@ def test_a_run_from_a_config_file_saves_that_config(capsys: pytest.CaptureFixtur
     expected = with_overrides(read_config(file), ["train.steps=2", f"train.out_dir={out}",
                                                   *on_top])
     assert config_from_dict(state["config"]) == expected
+
+
+def test_the_algo_flag_offers_every_built_in_estimator() -> None:
+    from avrid.cli import ALGOS
+    from avrid.ppo.algo.registry import ADVANTAGE_ESTIMATORS
+
+    assert ALGOS == tuple(ADVANTAGE_ESTIMATORS)

@@ -33,9 +33,8 @@ admits a batch only with the weights the synchronous loop would have used, so it
 the sync run exactly; one_step_off is K = 1; async lets generation run up to K versions
 ahead, and its versions then depend on timing (fast generation fills the queue early).
 
-Per step it adds `pipeline/` metrics (`report.py`): staleness (max, mean), the overlap of
-generation and training read from the timeline, the queue length, the weight version, and
-the importance weights pi_old / pi_rollout (`algo/off_policy.py`'s `weight_stats`).
+Per step it adds `pipeline/` metrics (`report.py`): staleness, overlap, queue, version,
+importance weights. With dynamic sampling, extra rounds run at staleness 0 (`generate_round`).
 
 A checkpoint takes what the pipeline holds between two steps (`pipeline_state`: the
 generation in flight is collected first, then the queue, the versions, `next_gen`;
@@ -43,8 +42,7 @@ generation in flight is collected first, then the queue, the versions, `next_gen
 engines get the checkpoint's weights only if the saved ones held the trainer's version;
 otherwise the next launch pushes them, exactly where the uninterrupted run did.
 
-Not here: the learning itself (chapter 5's `Trainer.learn`), the admission rule
-(`staleness.py`), how weights cross pools (`transfer.py`).
+Not here: the learning (chapter 5's `Trainer.learn`), admission (`staleness.py`), transfer.
 """
 
 from __future__ import annotations
@@ -61,7 +59,13 @@ from avrid.pipeline.learner import LearnerWorker
 from avrid.pipeline.placement import pipeline_placement
 from avrid.pipeline.resume import PipelineState
 from avrid.pipeline.rollout import RolloutWorker
-from avrid.pipeline.staleness import Rollout, RolloutQueue, StalenessError, StalenessGate
+from avrid.pipeline.staleness import (
+    Rollout,
+    RolloutQueue,
+    StalenessError,
+    StalenessGate,
+    check_stamps,
+)
 from avrid.pipeline.transfer import push_plan
 from avrid.ppo.data.columns import with_responses
 from avrid.ppo.driver.trainer import Trainer
@@ -96,9 +100,8 @@ class _Push:
 
 
 class _TendingPhases(Phases):
-    """A step's phases that tend the pipeline at every phase boundary: between two calls of
-    the trainer, a finished generation is collected and the next admitted one started, so
-    the rollout pool is never left idle for a whole step."""
+    """A step's phases that tend the pipeline at every phase boundary (collect a finished
+    generation, start the next admitted one), so the rollout pool never idles a whole step."""
 
     def __init__(self, tend: Callable[[], None]) -> None:
         super().__init__()
@@ -213,9 +216,23 @@ class PipelinedTrainer(Trainer):
         """The rollout pool generates (validation included)."""
         return self.rollout, self.rollout_worker.generate
 
+    def generate_round(self, prompts: Batch, sampling: dict[str, int | bool]) -> Merged:
+        """Dynamic sampling's extra round, by the rollout pool with the trainer's weights
+        (staleness 0): the generation in flight is queued first and the trainer's version
+        pushed if the engines are behind, so no version depends on timing."""
+        while self._inflight is not None:
+            self._collect()
+        if self.rollout_version != self.trainer_version:
+            self._push()
+        self._settle_push(wait=True)
+        merged = super().generate_round(prompts, sampling)  # by `generator()`: the pool
+        check_stamps(merged.batch, self.rollout_version, "an extra round")
+        self._collected.append(merged)
+        return merged
+
     def close(self, *, failed: bool = False) -> None:
-        """Let a generation still in flight end (after a clean run there is none; a caller
-        that stopped early may leave one), stop the engines, then chapter 5's close."""
+        """Let a generation still in flight end (a caller that stopped early may leave
+        one), stop the engines, then chapter 5's close."""
         if self.cluster is not None and not failed:
             timeout = self.config.train.call_timeout_s
             if self._inflight is not None:
@@ -311,11 +328,7 @@ class PipelinedTrainer(Trainer):
         self._settle_push(wait=True)
         merged = done.call.result()
         batch = with_responses(done.prompts, merged.batch)
-        stamps = batch.scalars["version"]
-        if len(batch) and not bool((stamps == done.version).all()):
-            raise StalenessError(f"step {done.step}'s samples carry weight versions "
-                                 f"{sorted(set(stamps.tolist()))}; the engines were sent "
-                                 f"version {done.version}")
+        check_stamps(batch, done.version, f"step {done.step}")
         self.queue.put(Rollout(step=done.step, version=done.version, batch=batch,
                                generation=merged))
         self._collected.append(merged)
@@ -384,3 +397,4 @@ class PipelinedTrainer(Trainer):
                 "pipeline/version": float(self.trainer_version),
                 **report.off_policy(batch, self.config.pipeline),
                 **report.pushes(self._spans, self._push_trainer, self.push_plan)}
+

@@ -126,3 +126,13 @@ class RolloutQueue:
     def held(self) -> list[Rollout]:
         """The batches waiting, in step order (what a checkpoint stores, `resume.py`)."""
         return [self._items[step] for step in sorted(self._items)]
+
+
+def check_stamps(batch: Any, version: int, what: str) -> None:
+    """Every sample of `batch` (`what`: "step 3", for the error) must carry the weight
+    version its engines were sent (the rollout worker stamps each one)."""
+    stamps = batch.scalars["version"]
+    if len(stamps) and not bool((stamps == version).all()):
+        raise StalenessError(f"{what}'s samples carry weight versions "
+                             f"{sorted(set(stamps.tolist()))}; the engines were sent "
+                             f"version {version}")

@@ -16,7 +16,8 @@ down only (import-linter checks it):
 
 Follow one step: `driver/trainer.py` (`train_step`) calls into `data/prompts.py`,
 `roles/policy.py`, `roles/reward.py`, `roles/critic.py`, `data/columns.py`,
-`algo/advantages.py` and `algo/losses.py` — eight files; the chapter README walks them.
+`data/credit.py`, `data/dynamic_sampling.py` and `algo/losses.py` — nine files; the chapter
+README walks them.
 
 Nothing is re-exported here: import from the module that defines a name, so "go to
 definition" lands on it.

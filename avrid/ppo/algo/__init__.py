@@ -9,7 +9,10 @@ Read in this order:
 4. estimators.py     more critic-free advantages: RLOO, REINFORCE++, REINFORCE++-baseline
 5. policy_losses.py  alternatives to the token-clipped loss: GSPO's sequence-level ratio and
                      CISPO's clipped, stop-gradient importance weight
-6. off_policy.py     chapter 6's off-policy correction: per-token importance weights for stale
+6. registry.py       the estimators and losses by name (`algo.name`, `algo.policy_loss`), one
+                     calling convention each, extended by a user's ``module:function``
+7. shaping.py        DAPO's soft overlong penalty on a response's score
+8. off_policy.py     chapter 6's off-policy correction: per-token importance weights for stale
                      batches (none, truncated IS, decoupled PPO)
 
 Every formula is in a docstring and checked against numbers worked by hand in

@@ -8,6 +8,9 @@ Read in this order:
 2. columns.py  the PPO batch's columns: `with_responses`, `add_columns`, the packed <->
                padded views every phase reads (`padded`, `packed`, `response_mask`), the
                model's inputs, and `Totals` (the loss's global denominators)
+3. credit.py   `compute_advantages`: shaped scores and token rewards, handed to the
+               estimator `algo.name` names (`algo/registry.py`)
+4. dynamic_sampling.py  DAPO's dynamic sampling: drop all-alike groups, draw more rounds
 
 Pure: no Ray and no models. Chapter 2's `Batch` is the container; this package names what
 PPO puts in it.

@@ -6,6 +6,7 @@ sequence of named, timed phases, each one dispatch (chapter 2) and one canonical
 
     generate       policy ranks sample `responses_per_prompt` responses per prompt
     reward         the reward worker scores every response (task.reward)
+    (resample)     with algo.dynamic_sampling only: all-alike groups dropped, more generated
     old_logp       policy ranks recompute log-probs with the trainer's forward pass
     ref_logp       ... and under the frozen reference (only with a KL term)
     values         critic ranks: V(s_t) per response token (PPO only)
@@ -31,16 +32,11 @@ from collections.abc import Callable
 import torch
 
 from avrid.dispatch import Batch, DispatchConfig
-from avrid.ppo.algo.advantages import gae, grpo_advantages, kl_penalized_rewards, whiten
 from avrid.ppo.algo.losses import kl_estimate
-from avrid.ppo.data.columns import (
-    Totals,
-    add_columns,
-    packed,
-    padded,
-    response_mask,
-    with_responses,
-)
+from avrid.ppo.algo.registry import resolve_estimator, resolve_policy_loss
+from avrid.ppo.data.columns import Totals, add_columns, padded, response_mask, with_responses
+from avrid.ppo.data.credit import compute_advantages, shaped_scores
+from avrid.ppo.data.dynamic_sampling import FillStats, fill_groups, round_prompts, round_seed
 from avrid.ppo.data.prompts import (
     TRAIN,
     VAL,
@@ -84,6 +80,10 @@ class Trainer:
         self.task: Task = load_task(t.name, **dict(t.options),
                                     **({"path": t.path} if t.path else {}))
         validate(config, self.task)  # the rules that need the task: response budget, alphabet
+        # A user's estimator or loss ("module:function") is imported and checked now, so a
+        # typo fails in one line before any worker starts.
+        resolve_estimator(config.algo.name)
+        resolve_policy_loss(config.algo.policy_loss)
         self.tokenizer = make_tokenizer(config, self.task)
         r = config.rollout
         self.max_response = r.max_response_tokens or self.task.max_response_tokens
@@ -102,6 +102,7 @@ class Trainer:
         self.cluster: Cluster | None = None
         self.timeline: Timeline | None = None
         self._driver_threads: int | None = None  # torch threads before start() (Ray only)
+        self.fill_stats: FillStats | None = None  # the last step's dynamic sampling
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -217,8 +218,7 @@ class Trainer:
         phases = Phases()
         prompts = self.step_prompts(step)
         with phases("generate"):
-            gen = phases.add(run_shards(*self.generator(), prompts, None,
-                                        **self.sampling(step)))
+            gen = phases.add(self.generate_round(prompts, self.sampling(step)))
         batch, merged = self.learn(step, with_responses(prompts, gen.batch), phases)
         if self.updates_actor(step):
             with phases("weight_sync"):  # a call with no batch: only spans and the bytes
@@ -229,6 +229,12 @@ class Trainer:
             metrics.update({name: m.value for name, m in reduced.items()})
         self.timeline = phases.timeline()
         return metrics, batch
+
+    def generate_round(self, prompts: Batch, sampling: dict[str, int | bool]) -> Merged:
+        """Generate responses to `prompts` now (a step's batch; dynamic sampling's extra
+        rounds). Chapter 6's trainer first brings its rollout pool up to the trainer's
+        weights."""
+        return run_shards(*self.generator(), prompts, None, **sampling)
 
     def generator(self) -> tuple[WorkerGroup, Callable[..., WorkerResult]]:
         """The group and method that generate: the policy's hybrid engine here (chapter 6's
@@ -244,11 +250,11 @@ class Trainer:
         return prompt_batch(self.train_set, indices, repeats=n, split=TRAIN,
                             first_id=step * cfg.train.prompts_per_step * n)
 
-    def sampling(self, step: int) -> dict[str, int | bool]:
+    def sampling(self, step: int, round: int = 0) -> dict[str, int | bool]:
         """The keyword arguments of step `step`'s generate call (its seed depends on the
-        step alone, wherever and whenever the generation runs)."""
+        step, and dynamic sampling's round, alone, wherever and whenever it runs)."""
         return {"max_new_tokens": self.max_response, "greedy": False,
-                "seed": step_seed(self.config, step)}
+                "seed": round_seed(step_seed(self.config, step), round)}
 
     def updates_actor(self, step: int) -> bool:
         """Whether step `step` updates the actor (not during the critic's warm-up)."""
@@ -259,9 +265,13 @@ class Trainer:
         values, advantages and the updates. Returns the scored batch and the calls' results."""
         cfg, a = self.config, self.config.algo
         with phases("reward"):
-            scored = phases.add(run_shards(self.reward, RewardWorker.score,
-                                           batch.only(*SCORE_READS)))
-            batch = add_columns(batch, scalars={"score": scored.batch.scalars["score"]})
+            batch, scored = self.score(batch)
+        done: list[Merged] = [phases.add(scored)]
+        if a.dynamic_sampling:
+            with phases("resample"):  # DAPO: drop all-alike groups, generate more prompts
+                batch, more, fill = self.fill(step, batch)
+            done += [phases.add(m) for m in more]
+            self.fill_stats = fill
         with phases("old_logp"):
             old = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs,
                                         batch.only(*LOGPROBS_READS), self.dispatch))
@@ -278,7 +288,7 @@ class Trainer:
                                             batch.only(*VALUES_READS), self.dispatch))
                 batch = add_columns(batch, packed={"values": val.batch.packed["values"]})
         with phases("advantages"):
-            batch = compute_advantages(batch, cfg)
+            batch = compute_advantages(batch, cfg, max_response=self.max_response)
         updates: list[Merged] = []
         if self.critic is not None:
             with phases("critic_update"):
@@ -288,7 +298,33 @@ class Trainer:
             with phases("actor_update"):
                 updates += self._update(self.policy, PolicyWorker.update,
                                         batch.only(*actor_update_reads(cfg)), step, phases)
-        return batch, [scored, old, *updates]
+        return batch, [*done, old, *updates]
+
+    def score(self, batch: Batch) -> tuple[Batch, Merged]:
+        """The reward worker's scores of `batch`, as its "score" column."""
+        scored = run_shards(self.reward, RewardWorker.score, batch.only(*SCORE_READS))
+        return add_columns(batch, scalars={"score": scored.batch.scalars["score"]}), scored
+
+    def fill(self, step: int, batch: Batch) -> tuple[Batch, list[Merged], FillStats]:
+        """Dynamic sampling (`data/dynamic_sampling.py`): the step's scored batch, its
+        all-alike groups dropped, refilled from extra rounds; and those rounds' calls."""
+        cfg, calls = self.config, []
+
+        def draw(r: int) -> Batch:
+            prompts = round_prompts(self.train_set, step=step, round=r,
+                                    count=cfg.train.prompts_per_step,
+                                    repeats=cfg.algo.responses_per_prompt, seed=cfg.train.seed,
+                                    max_rounds=cfg.algo.dynamic_sampling_max_rounds)
+            gen = self.generate_round(prompts, self.sampling(step, r))
+            scored, reward = self.score(with_responses(prompts, gen.batch))
+            calls.extend((gen, reward))
+            return scored
+
+        batch, stats = fill_groups(batch, groups=cfg.train.prompts_per_step,
+                                   max_rounds=cfg.algo.dynamic_sampling_max_rounds, step=step,
+                                   draw=draw,
+                                   shaped=lambda b: shaped_scores(b, cfg, self.max_response))
+        return batch, calls, stats
 
     def _update(self, group, method, batch: Batch, step: int,  # noqa: ANN001
                 phases: Phases) -> list[Merged]:
@@ -316,6 +352,8 @@ class Trainer:
         mask = response_mask(batch).bool()
         gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
         out["train/reward"] = float(batch.scalars["score"].mean())
+        if self.config.algo.dynamic_sampling:
+            out.update(self.fill_stats.metrics())
         out["rollout/logprob_gap"] = float(gap.mean()) if gap.numel() else 0.0
         out["rollout/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         if "ref_logp" in batch.packed:
@@ -339,59 +377,6 @@ class Trainer:
         return {"val/reward": float(scored.batch.scalars["score"].mean()),
                 "val/response_len": float(batch.response_lens.float().mean()),
                 "val/truncation_rate": float(batch.scalars["truncated"].float().mean())}
-
-
-def compute_advantages(batch: Batch, config: PPOConfig) -> Batch:
-    """Token rewards (score at the last token, minus the KL if it goes in the reward), then
-    GAE with the critic's values (PPO) or group-normalised scores (GRPO).
-
-    A truncated response (scalar "truncated" = 1: it hit the response budget without a stop
-    token) is treated as `algo.truncation` says; with s_i its score and c the penalty:
-
-        keep      s_i as it is; it trains like any other response
-        penalty   s_i - c, before the KL, GAE or the group statistics see the score
-        mask      s_i as it is, but loss_mask_i = 0: it weighs nothing in the actor and critic
-                  losses and is not counted in their denominators (DAPO's overlong
-                  filtering). It still counts in GRPO's group statistics and PPO's
-                  whitening: it is a sample of the policy like the others.
-
-    Adds packed "advantages" (and "returns" for PPO) and the scalar "loss_mask" (1 = the
-    sample trains; read by `columns.sample_loss_mask`).
-    """
-    a = config.algo
-    mask = response_mask(batch)
-    scores = batch.scalars["score"].float()
-    truncated = _truncated(batch, a.truncation)
-    if a.truncation == "penalty":
-        scores = scores - a.truncation_penalty * truncated
-    kept = {"loss_mask": 1.0 - truncated if a.truncation == "mask" else torch.ones_like(scores)}
-    kl = torch.zeros_like(mask)
-    if a.kl_coef > 0 and a.kl_in == "reward":
-        kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind) * mask
-    if a.name == "ppo":
-        rewards = kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)
-        adv, ret = gae(rewards, padded(batch, "values"), mask, gamma=a.gamma, lam=a.lam)
-        if a.whiten_advantages:
-            adv = whiten(adv, mask)
-        return add_columns(batch, packed={"advantages": packed(adv, mask),
-                                          "returns": packed(ret, mask)}, scalars=kept)
-    # GRPO: a KL in the reward lowers each response's score by its summed KL.
-    seq_scores = scores - a.kl_coef * kl.sum(1)
-    adv = grpo_advantages(seq_scores, batch.scalars["group"], mask,
-                          norm_by_std=a.grpo_norm_by_std)
-    return add_columns(batch, packed={"advantages": packed(adv, mask)}, scalars=kept)
-
-
-def _truncated(batch: Batch, choice: str) -> torch.Tensor:
-    """(n,) float32, 1 where the response was truncated (the batch's "truncated" column)."""
-    column = batch.scalars.get("truncated")
-    if column is None:
-        if choice != "keep":  # "keep" ignores it, so hand-made batches may leave it out
-            raise ValueError(f"algo.truncation={choice!r} needs the batch's per-sample "
-                             f"'truncated' column (PolicyWorker.generate writes it); "
-                             f"columns: {sorted(batch.scalars)}")
-        return torch.zeros(len(batch))
-    return column.float()
 
 
 def step_seed(config: PPOConfig, step: int) -> int:

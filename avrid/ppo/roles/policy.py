@@ -30,8 +30,13 @@ from __future__ import annotations
 import torch
 
 from avrid.dispatch import Shard
-from avrid.ppo.algo.losses import kl_estimate, policy_loss
+from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.algo.off_policy import importance_weights
+from avrid.ppo.algo.registry import (
+    PolicyLossInputs,
+    compute_policy_loss,
+    resolve_policy_loss,
+)
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.engines.torch_engine import TorchEngine
@@ -207,6 +212,7 @@ class PolicyWorker(TrainedWorker):
         builder = ResultBuilder.for_shard(self.identity, shard)
         self._set_lr(step, builder, "actor")  # warm-up / schedule: a function of the step
         kl_loss = a.kl_coef > 0 and a.kl_in == "loss"
+        loss_of = resolve_policy_loss(a.policy_loss)  # `algo/registry.py`: ppo, gspo, cispo
         need_entropy = a.entropy_coef > 0
 
         def loss_fn(x: ModelInputs, mb, w: torch.Tensor, b: ResultBuilder) -> torch.Tensor:
@@ -214,9 +220,9 @@ class PolicyWorker(TrainedWorker):
                                           with_entropy=need_entropy,
                                           chunk=self.config.memory.logprob_chunk)
             mask = x.response_mask
-            out = policy_loss(logp, padded(mb, "old_logp"), padded(mb, "advantages"), mask,
-                              clip_low=a.clip_low, clip_high=a.clip_high,
-                              dual_clip=a.dual_clip)
+            out = compute_policy_loss(loss_of, a.policy_loss, PolicyLossInputs(
+                logp=logp, old_logp=padded(mb, "old_logp"), advantages=padded(mb, "advantages"),
+                mask=mask, algo=a))
             per_token = out.per_token
             valid = mask.bool()
             correction = q.applied_correction

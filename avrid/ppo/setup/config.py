@@ -1,9 +1,10 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds eight small sections (`rollout` is in `rollout.py`, `memory` in
-`memory.py`, chapter 6's `pipeline` in `pipeline.py`). Every field has a docstring, a default that
-runs on a laptop, and a check in `__post_init__` that names the field and the allowed range,
-so a bad value fails when the config is made — before Ray starts or any worker loads a model.
+One `PPOConfig` holds eight small sections (`algo` is in `algo.py`, `rollout` in
+`rollout.py`, `memory` in `memory.py`, chapter 6's `pipeline` in `pipeline.py`). Every field
+has a docstring, a default that runs on a laptop, and a check in `__post_init__` that names
+the field and the allowed range, so a bad value fails when the config is made — before Ray
+starts or any worker loads a model.
 
 Two kinds of sizes, never mixed:
 
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from avrid.ppo.algo.losses import AggMode, KlKind
+from avrid.ppo.setup.algo import AlgoConfig
 from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.rollout import RolloutConfig
@@ -39,13 +40,9 @@ from avrid.workers.placement import Strategy
 
 # The allowed values of each choice, declared once: the field's type, its check and the
 # command line's parsing all read these.
-Algorithm = Literal["ppo", "grpo"]
 Backend = Literal["ray", "inprocess"]
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
-KlPlace = Literal["reward", "loss"]
-Truncation = Literal["keep", "mask", "penalty"]
-"""What to do with a response cut off at the response budget (finish reason "length")."""
 LrSchedule = Literal["constant", "linear", "cosine"]
 WandbMode = Literal["online", "offline", "disabled"]
 """How both learning rates move after the warm-up (see `TrainConfig.lr_schedule`)."""
@@ -117,82 +114,6 @@ def _plain_json(value: Any) -> bool:
     if isinstance(value, float):
         return math.isfinite(value)
     return value is None or isinstance(value, str | bool | int)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AlgoConfig:
-    """The RL algorithm. PPO learns a critic and uses GAE; GRPO drops the critic and
-    normalises each response's score within its group of responses to the same prompt."""
-
-    name: Algorithm = "ppo"
-    """"ppo" (actor + critic, GAE) or "grpo" (group-relative advantages, no critic)."""
-    responses_per_prompt: int = 8
-    """Responses sampled per prompt (GRPO's group size; PPO uses them as plain samples)."""
-    gamma: float = 1.0
-    """GAE discount."""
-    lam: float = 1.0
-    """GAE lambda."""
-    grpo_norm_by_std: bool = True
-    """GRPO divides by the group's std; False is Dr.GRPO (pair with seq-mean-token-sum-norm)."""
-    clip_low: float = 0.2
-    """PPO ratio clip below: ratio >= 1 - clip_low."""
-    clip_high: float = 0.28
-    """PPO ratio clip above: ratio <= 1 + clip_high (DAPO's clip-higher when > clip_low)."""
-    dual_clip: float | None = 3.0
-    """Dual clip c > 1 bounding the loss of negative advantages; None disables it."""
-    value_clip: float | None = 0.5
-    """Critic value clip around the old values; None disables it."""
-    kl_coef: float = 0.0
-    """Weight of the KL to the reference policy (0 = no reference model is run)."""
-    kl_in: KlPlace = "loss"
-    """Where the KL goes: subtracted from the token rewards, or added to the actor loss."""
-    kl_kind: KlKind = "k3"
-    """KL estimator (Schulman's k1, k2, k3). In the reward any; in the loss k2 or k3 only (k1's
-    expected gradient is 0: see `losses.py`)."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight in the actor loss."""
-    loss_agg: AggMode = "token-mean"
-    """How token losses become one number; one of `losses.AGG_MODES`."""
-    whiten_advantages: bool = True
-    """PPO: whiten GAE advantages over the batch (GRPO's are already normalised)."""
-    truncation: Truncation = "keep"
-    """Responses that hit the response budget without a stop token: "keep" (train on them like
-    any other), "mask" (leave them out of the actor and critic losses: DAPO's overlong
-    filtering) or "penalty" (subtract `truncation_penalty` from their score)."""
-    truncation_penalty: float = 1.0
-    """With truncation="penalty": subtracted from a truncated response's score before the
-    advantages (the task's reward scale; digits and gsm8k score in [0, 1])."""
-
-    def __post_init__(self) -> None:
-        finite("algo", self)
-        one_of("algo.name", self.name, Algorithm, "algorithm")
-        positive("algo", responses_per_prompt=self.responses_per_prompt)
-        for name in ("gamma", "lam"):
-            v = getattr(self, name)
-            need(0.0 <= v <= 1.0, f"algo.{name}", f"must be in [0, 1], got {v}")
-        need(0.0 < self.clip_low < 1.0, "algo.clip_low",
-             f"must be in (0, 1) (ratio >= 1 - clip_low > 0), got {self.clip_low}")
-        need(0.0 < self.clip_high <= 10.0, "algo.clip_high",
-             f"must be in (0, 10], got {self.clip_high}")
-        need(self.dual_clip is None or self.dual_clip > 1.0, "algo.dual_clip",
-             f"must be > 1 or None, got {self.dual_clip}")
-        need(self.value_clip is None or self.value_clip > 0, "algo.value_clip",
-             f"must be > 0 or None, got {self.value_clip}")
-        need(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "algo.kl_coef",
-             f"must be a finite number >= 0, got {self.kl_coef}")
-        one_of("algo.kl_in", self.kl_in, KlPlace, "place for the KL")
-        one_of("algo.kl_kind", self.kl_kind, KlKind, "KL estimator")
-        need(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        one_of("algo.loss_agg", self.loss_agg, AggMode, "mode")
-        one_of("algo.truncation", self.truncation, Truncation, "choice")
-        need(math.isfinite(self.truncation_penalty) and self.truncation_penalty > 0,
-             "algo.truncation_penalty",
-             f"must be a finite number > 0, got {self.truncation_penalty}")
-
-    @property
-    def uses_critic(self) -> bool:
-        """PPO learns a value function; GRPO does not."""
-        return self.name == "ppo"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,6 +32,8 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from avrid.ppo.algo.registry import GROUP_ESTIMATORS
+
 if TYPE_CHECKING:  # annotations only: config.py imports this file
     from avrid.ppo.setup.config import PPOConfig
     from avrid.ppo.setup.task import Task
@@ -51,15 +53,21 @@ def validate(config: PPOConfig, task: Task | None = None) -> None:
     response = config.rollout.max_response_tokens or (task and task.max_response_tokens)
     if response:
         _fits_micro_batch(config, response)
+        need(config.algo.overlong_buffer < response, "algo.overlong_buffer",
+             f"must be smaller than the response budget ({response} tokens), got "
+             f"{config.algo.overlong_buffer}")
     if task is not None:
         _tokenizer_covers(config, task)
 
 
 def _algo(config: PPOConfig) -> None:
     a = config.algo
-    need(a.name != "grpo" or a.responses_per_prompt >= 2, "algo.responses_per_prompt",
-         f"GRPO compares responses within a group, so it needs >= 2, got "
-         f"{a.responses_per_prompt}")
+    need(a.name not in GROUP_ESTIMATORS or a.responses_per_prompt >= 2,
+         "algo.responses_per_prompt", f"{a.name} compares responses within a group, so it "
+         f"needs >= 2, got {a.responses_per_prompt}")
+    need(not a.dynamic_sampling or a.responses_per_prompt >= 2, "algo.responses_per_prompt",
+         f"dynamic sampling keeps groups whose responses scored differently, so it needs "
+         f">= 2 per prompt, got {a.responses_per_prompt}")
     # In the loss only the estimator's gradient acts, and k1's is grad log pi, whose
     # expectation under the sampling policy is 0: the term would pull nowhere.
     need(not (a.kl_in == "loss" and a.kl_kind == "k1"), "algo.kl_kind",
