@@ -40,6 +40,9 @@ from avrid.ppo.data.prompts import TRAIN, PromptSet, prompt_batch, step_indices
 EXTRA_ID_BASE = 1 << 48
 """Sample ids of extra rounds start here, far above any round 0 id (step x prompts x
 responses), so ids stay unique over a run."""
+_STREAM_OFFSET = 0x9E3779B9
+"""Added to the train seed for the extra rounds' prompt order. Not a multiple of 2**32: the
+CPU generator keeps only a seed's low 32 bits, so seed + 2**32 would be the main stream."""
 _ROUND_SEED_STRIDE = 1_000_000_007
 """Added per round to the step's sampling seed: each round samples with a seed of its own."""
 
@@ -95,13 +98,13 @@ def varied_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
 def round_prompts(prompts: PromptSet, *, step: int, round: int, count: int, repeats: int,
                   seed: int, max_rounds: int) -> Batch:
     """The prompt batch of extra round `round` >= 1 of step `step`: `count` prompts from a
-    stream of their own (an epoch-wise shuffle with a seed no training seed has), so round 0
-    stays exactly what a run without dynamic sampling trains on, and sample ids from
+    stream of their own (an epoch-wise shuffle under train seed + a fixed offset), so round 0
+    stays exactly what a run without dynamic sampling trains on; sample ids from
     `EXTRA_ID_BASE` on, unique over the run."""
     if not 1 <= round < max_rounds:
         raise ValueError(f"round must be in [1, {max_rounds}), got {round}")
     slot = step * (max_rounds - 1) + round - 1  # the extra rounds of all steps, in order
-    indices = step_indices(slot, count, len(prompts), seed + (1 << 32))
+    indices = step_indices(slot, count, len(prompts), seed + _STREAM_OFFSET)
     return prompt_batch(prompts, indices, repeats=repeats, split=TRAIN,
                         first_id=EXTRA_ID_BASE + slot * count * repeats)
 
