@@ -45,6 +45,9 @@ ROLE = ("tests/test_role_formulas.py",)
 OFF_UPDATE = ("tests/test_off_policy_update.py",)
 UPDATES = ("tests/test_ppo_updates.py",)
 TRUNC = ("tests/test_ppo_truncation.py",)
+DYN = tuple(f"tests/test_dynamic_sampling.py::{t}" for t in (
+    "test_a_group_varies_only_if_its_scores_differ",
+    "test_the_batch_is_exact_and_every_kept_group_varies"))
 DP = ("tests/test_ppo_dp_equivalence.py",)
 READS = ("tests/test_ppo_reads.py::test_the_actor_reads_what_its_loss_needs_under_each_config",)
 POLICY = "avrid/ppo/roles/policy.py"
@@ -55,7 +58,9 @@ LOSSES = "avrid/ppo/algo/losses.py"
 ADV = "avrid/ppo/algo/advantages.py"
 OFF_POLICY = "avrid/ppo/algo/off_policy.py"
 LOGPROBS = "avrid/ppo/algo/logprobs.py"
-TRAINER = "avrid/ppo/driver/trainer.py"
+CREDIT = "avrid/ppo/data/credit.py"
+DYNAMIC = "avrid/ppo/data/dynamic_sampling.py"
+REGISTRY = "avrid/ppo/algo/registry.py"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,9 +122,9 @@ SITES: tuple[Site, ...] = (
          "loss = loss + a.entropy_coef * (ent * w).sum()", ROLE),
     site("entropy_weights", POLICY, "a.entropy_coef * (ent * w).sum()",
          "a.entropy_coef * (ent * mask).sum()", ROLE),
-    site("clip_swapped", POLICY, "clip_low=a.clip_low, clip_high=a.clip_high,",
+    site("clip_swapped", REGISTRY, "clip_low=a.clip_low, clip_high=a.clip_high,",
          "clip_low=a.clip_high, clip_high=a.clip_low,", ROLE),
-    site("dual_clip_off", POLICY, "dual_clip=a.dual_clip)", "dual_clip=None)", ROLE),
+    site("dual_clip_off", REGISTRY, "dual_clip=a.dual_clip)", "dual_clip=None)", ROLE),
     site("update_temperature", POLICY,
          "logp, ent = response_logprobs(self.model, x, self.config.rollout.temperature,",
          "logp, ent = response_logprobs(self.model, x, 1.0,", ROLE),
@@ -224,30 +229,36 @@ SITES: tuple[Site, ...] = (
     site("entropy_temperature", LOGPROBS,
          "logp = torch.log_softmax(logits.float() / temperature, dim=-1)",
          "logp = torch.log_softmax(logits.float(), dim=-1)", ROLE + (LOGPROBS,)),
-    # ---- the advantages the trainer computes (driver/trainer.py) ----
-    site("truncation_penalty", TRAINER, "scores = scores - a.truncation_penalty * truncated",
+    # ---- the advantages the trainer computes (data/credit.py, algo/registry.py) ----
+    site("truncation_penalty", CREDIT, "scores = scores - a.truncation_penalty * truncated",
          "scores = scores", ROLE + TRUNC),
-    site("truncation_mask", TRAINER,
-         'kept = {"loss_mask": 1.0 - truncated if a.truncation == "mask" else',
-         'kept = {"loss_mask": 1.0 + 0 * truncated if a.truncation == "mask" else',
+    site("truncation_mask", CREDIT,
+         'kept = {"loss_mask": 1.0 - cut if a.truncation == "mask" else',
+         'kept = {"loss_mask": 1.0 + 0 * cut if a.truncation == "mask" else',
          ROLE + TRUNC),
-    site("kl_reward_args", TRAINER,
+    site("kl_reward_args", CREDIT,
          'kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind)',
          'kl = kl_estimate(padded(batch, "ref_logp"), padded(batch, "old_logp"), a.kl_kind)',
          ROLE),
-    site("kl_reward_mask", TRAINER, 'padded(batch, "ref_logp"), a.kl_kind) * mask',
+    site("kl_reward_mask", CREDIT, 'padded(batch, "ref_logp"), a.kl_kind) * mask',
          'padded(batch, "ref_logp"), a.kl_kind)', ROLE + TRUNC,
          why="equivalent: `padded` fills both log-prob columns with 0 on padding, so d = 0 "
              "there and k1, k2 and k3 are all exactly 0 (what `* mask` would give); "
              "`kl_penalized_rewards` masks again. Defence in depth, not a formula."),
-    site("kl_reward_coef", TRAINER, "kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)",
+    site("kl_reward_coef", CREDIT, "kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)",
          "kl_penalized_rewards(scores, kl, mask, kl_coef=0.0)", ROLE),
-    site("gae_args", TRAINER, "gamma=a.gamma, lam=a.lam)", "gamma=a.lam, lam=a.gamma)", ROLE),
-    site("whiten_call", TRAINER, "adv = whiten(adv, mask)", "adv = adv", ROLE),
-    site("grpo_kl_in_score", TRAINER, "seq_scores = scores - a.kl_coef * kl.sum(1)",
-         "seq_scores = scores", ROLE),
-    site("grpo_norm_choice", TRAINER, "norm_by_std=a.grpo_norm_by_std)", "norm_by_std=True)",
-         ROLE),
+    site("gae_args", REGISTRY, "gamma=x.algo.gamma, lam=x.algo.lam)",
+         "gamma=x.algo.lam, lam=x.algo.gamma)", ROLE),
+    site("whiten_call", REGISTRY, "adv = whiten(adv, x.mask)", "adv = adv", ROLE),
+    site("grpo_kl_in_score", CREDIT, "scores=scores - a.kl_coef * kl.sum(1)",
+         "scores=scores", ROLE),
+    # ---- dynamic sampling (data/dynamic_sampling.py) ----
+    site("varied_not_strict", DYNAMIC, "return (high > low)[inv]", "return (high >= low)[inv]",
+         DYN),
+    site("fill_one_group_too_many", DYNAMIC, "batch.take(torch.nonzero(dense < groups)",
+         "batch.take(torch.nonzero(dense <= groups)", DYN),
+    site("grpo_norm_choice", REGISTRY, "norm_by_std=x.algo.grpo_norm_by_std)",
+         "norm_by_std=True)", ROLE),
 )
 
 

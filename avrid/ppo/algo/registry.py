@@ -151,8 +151,8 @@ per prompt."""
 def _ppo_loss(x: PolicyLossInputs) -> PolicyLossOut:
     """PPO's clipped surrogate (clip-higher, dual clip)."""
     a = x.algo
-    return policy_loss(x.logp, x.old_logp, x.advantages, x.mask, clip_low=a.clip_low,
-                       clip_high=a.clip_high, dual_clip=a.dual_clip)
+    return policy_loss(x.logp, x.old_logp, x.advantages, x.mask,
+                       clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip)
 
 
 def _gspo_loss(x: PolicyLossInputs) -> PolicyLossOut:
