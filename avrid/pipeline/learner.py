@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from avrid.pipeline.push_group import PushGroup
 from avrid.pipeline.transfer import PushBucket, Shapes, post_buckets, push_buckets
-from avrid.ppo.roles import fsdp
+from avrid.ppo.roles import lora
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.reshard import TransferPlan, layout_checksums
 from avrid.workers.outcome import free_port
@@ -53,9 +53,7 @@ class LearnerWorker(PolicyWorker):
 
     def weight_shapes(self) -> Shapes:
         """name -> (whole shape, dtype name) of every actor parameter, in order."""
-        # A sharded parameter (DTensor) reports its global shape.
-        return {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                for n, p in self.model.named_parameters()}
+        return self.served_shapes()  # with LoRA: the base model's names (merged weights)
 
     def transfer_address(self) -> tuple[str, int]:
         """Where this rank (rank 0) hosts the push group's TCP store: IP and free port."""
@@ -83,14 +81,18 @@ class LearnerWorker(PolicyWorker):
         # The fingerprints of this rank's own shards, cast as the engine holds them: added
         # up over the ranks (on the driver) they are the whole tensors' — whatever the
         # gather, the buckets and the broadcast did, the engine must end up with those.
-        shards = {n: t.to(self.dtype) for n, t in fsdp.local_shards(self.model).items()}
+        shards = {n: t.to(self.dtype) for n, t in self.served_shards().items()}
         sums = layout_checksums(self._plan.source, self.identity.rank, shards)
         del shards
         params = dict(self.model.named_parameters())  # resharded by local_shards above
+        adapted = self.config.lora.enabled
 
         def whole(name: str) -> torch.Tensor:
             """Tensor `name` whole, in the engine's dtype: FSDP2's all-gather of the cast
-            shards (every trainer rank calls it, in the buckets' order)."""
+            shards (every trainer rank calls it, in the buckets' order); with LoRA the
+            merged weight, merged in fp32 and then cast, as `served_shards` does."""
+            if adapted:
+                return lora.merged_whole(self.model, name, params).to(self.dtype)
             cast = params[name].detach().to(self.dtype)
             return cast.full_tensor() if isinstance(cast, DTensor) else cast
 

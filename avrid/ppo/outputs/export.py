@@ -33,7 +33,7 @@ Where it may go is checked first (`export_dest.py`): never over the source run, 
 directory (but the run's own ``export/``), or over a folder that is not an earlier export.
 
 Not here: sharded safetensors (one file; fine for the models this project trains), the critic
-(only the policy is served), LoRA merging, uploading to the Hub.
+(only the policy is served), uploading to the Hub. A LoRA run's merge: `export_lora.py`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from avrid.ppo.engines.models import tiny_config, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint, savable
-from avrid.ppo.outputs.export_dest import check_export_dest
+from avrid.ppo.outputs.export_dest import (
+    ADAPTER_CONFIG,
+    ADAPTER_DIR,
+    ADAPTER_WEIGHTS,
+    check_export_dest,
+)
+from avrid.ppo.outputs.export_lora import adapter_files, is_lora_checkpoint, merged_policy
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # as checkpoints
 from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.setup.config import PPOConfig
@@ -143,15 +149,21 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
     tokenizer = ckpt.state.get("tokenizer") or _rebuilt_tokenizer_record(ckpt.state["config"])
     weights = (read_model_weights(ckpt.sharded["actor"]) if "actor" in ckpt.sharded
                else ckpt.weights["actor"])
-    out = export_policy(dest, weights, config=ckpt.state["config"],
-                        tokenizer=tokenizer, overwrite=overwrite, source=step_dir)
+    adapter = None
+    if is_lora_checkpoint(weights):  # adapters only: merged onto the rebuilt base, and kept
+        cfg = _ppo_config(ckpt.state["config"])
+        adapter = adapter_files(cfg, weights)
+        weights = merged_policy(cfg, tokenizer, weights)
+    out = export_policy(dest, weights, config=ckpt.state["config"], tokenizer=tokenizer,
+                        overwrite=overwrite, source=step_dir, adapter=adapter)
     return Exported(dest=out, checkpoint=step_dir, step=ckpt.step,
                     files=tuple(sorted(p.name for p in out.iterdir())))
 
 
 def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], *,
                   config: Mapping[str, Mapping[str, Any]], tokenizer: Mapping[str, Any],
-                  overwrite: bool = False, source: Path | None = None) -> Path:
+                  overwrite: bool = False, source: Path | None = None,
+                  adapter: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None) -> Path:
     """Write `weights` (the actor's full state dict, HF names) as a Hugging Face model.
 
     Args:
@@ -163,6 +175,8 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
             new one is in place).
         source: the checkpoint step directory the weights come from, if any: `dest` may not
             be, contain or lie inside its run (`export_dest.check_export_dest`).
+        adapter: a LoRA run's (adapter_config, tensors) (`export_lora.adapter_files`),
+            written as a PEFT adapter directory `dest/adapter` beside the merged model.
 
     Returns:
         `dest` as a Path.
@@ -193,10 +207,12 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
                                                             metadata={"format": "pt"}))
         write_file(tmp / "generation_config.json", lambda p: gen.to_json_file(p))
         _write_tokenizer(tmp, tokenizer)
+        if adapter is not None:
+            _write_adapter(tmp / ADAPTER_DIR, *adapter)
         # mkdtemp (and safetensors, for its file) make owner-only entries; a served model is
         # often read by another user or container.
-        for p in tmp.iterdir():
-            os.chmod(p, 0o644)
+        for p in [*tmp.iterdir(), *(tmp / ADAPTER_DIR).glob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
         os.chmod(tmp, 0o755)
         fsync_dir(tmp)
         move_into_place(tmp, dest)
@@ -205,6 +221,15 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _write_adapter(directory: Path, config: dict[str, Any],
+                   tensors: dict[str, torch.Tensor]) -> None:
+    directory.mkdir()
+    write_file(directory / ADAPTER_CONFIG, lambda p: p.write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n"))
+    write_file(directory / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p),
+                                                                metadata={"format": "pt"}))
 
 
 def _hf_config(config: Mapping[str, Mapping[str, Any]],

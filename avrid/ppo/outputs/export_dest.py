@@ -32,6 +32,10 @@ from avrid.ppo.outputs.outdir import LOCK_FILE
 RUN_EXPORT = "export"
 """The sub-directory of a run where ``avrid ppo`` writes its final policy."""
 EXPORT_MARKERS = ("config.json", "model.safetensors")
+ADAPTER_DIR, ADAPTER_CONFIG, ADAPTER_WEIGHTS = (
+    "adapter", "adapter_config.json", "adapter_model.safetensors")
+"""A LoRA run's export also holds its PEFT adapter directory (`export_lora.py`)."""
+ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS})
 """Files every export holds: a non-empty directory without them is not one."""
 
 
@@ -119,7 +123,8 @@ def check_export_dest(dest: Path, step_dir: Path | None, *, overwrite: bool) -> 
         if not _looks_like_export(target):
             raise ExportDestError(
                 f"export destination {dest} is not an earlier export (an export holds "
-                f"{' and '.join(EXPORT_MARKERS)} and no folders); --overwrite replaces only "
+                f"{' and '.join(EXPORT_MARKERS)} and no folder but a LoRA adapter/); "
+                f"--overwrite replaces only "
                 f"an export, never other files: choose a new or empty directory")
     return target
 
@@ -127,4 +132,9 @@ def check_export_dest(dest: Path, step_dir: Path | None, *, overwrite: bool) -> 
 def _looks_like_export(path: Path) -> bool:
     entries = list(path.iterdir())
     names = {p.name for p in entries}
-    return all(m in names for m in EXPORT_MARKERS) and not any(p.is_dir() for p in entries)
+    # The one folder an export may hold: a LoRA run's PEFT adapter (`export_lora.py`), with
+    # nothing in it but the adapter's two files.
+    folders = [p for p in entries if p.is_dir()]
+    return all(m in names for m in EXPORT_MARKERS) and all(
+        p.name == ADAPTER_DIR and {q.name for q in p.iterdir()} <= ADAPTER_FILES
+        and not any(q.is_dir() for q in p.iterdir()) for p in folders)

@@ -12,11 +12,13 @@ Read in this order:
 5. meta_init.py    a sharded role starting from a checkpoint: a meta-device skeleton, sharded,
                    then filled from the one copy rank 0 loads (no whole model per GPU)
 6. generation.py   a rank's rollout engine: build it, load weights into it, generate a shard
-7. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
-8. weight_sync.py  the actor's shards into each rank's engine (chapter 4), streamed group by
+7. lora.py         LoRA on the actor: PEFT's adapters put in, the base as the reference,
+                   the merged weights a sync sends
+8. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
+9. weight_sync.py  the actor's shards into each rank's engine (chapter 4), streamed group by
                    group, fingerprint-checked
-9. handoff.py      one GPU, two tenants: the order in which the engine sleeps and wakes
-10. critic.py      `CriticWorker`: values and the clipped value-loss update
+10. handoff.py     one GPU, two tenants: the order in which the engine sleeps and wakes
+11. critic.py      `CriticWorker`: values and the clipped value-loss update
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each

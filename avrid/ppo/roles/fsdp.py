@@ -226,7 +226,8 @@ def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     directory = Path(directory)
-    weights, optim = get_state_dict(_resharded(model), optimizer)
+    # Frozen parameters (a LoRA actor's base weights) are not saved: the run rebuilds them.
+    weights, optim = get_state_dict(_resharded(model), optimizer, options=_trained_only(model))
     with _dcp_quiet():
         save(weights, checkpoint_id=directory / MODEL_DIR, no_dist=not _distributed())
         save(optim, checkpoint_id=directory / OPTIM_DIR, no_dist=not _distributed())
@@ -241,11 +242,22 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     directory = Path(directory)
     model = _resharded(model)
-    weights, optim = get_state_dict(model, optimizer)  # the targets: shapes and placements
+    # The targets (shapes and placements): the trained parameters, as `save_shards` wrote.
+    weights, optim = get_state_dict(model, optimizer, options=_trained_only(model))
     with _dcp_quiet():
         load(weights, checkpoint_id=directory / MODEL_DIR, no_dist=not _distributed())
         load(optim, checkpoint_id=directory / OPTIM_DIR, no_dist=not _distributed())
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
+                   options=_trained_only(model))
+
+
+def _trained_only(model: torch.nn.Module) -> Any:
+    """DCP's options for a checkpoint of the trained parameters only. Strict unless some
+    parameters are frozen (they are absent from the checkpoint by design)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    strict = all(p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
 def _distributed() -> bool:

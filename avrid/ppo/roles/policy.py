@@ -27,6 +27,8 @@ beyond the models and the optimizer.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from avrid.dispatch import Shard
@@ -40,7 +42,7 @@ from avrid.ppo.algo.registry import (
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.engines.torch_engine import TorchEngine
-from avrid.ppo.roles import fsdp, handoff, meta_init
+from avrid.ppo.roles import fsdp, handoff, lora, meta_init
 from avrid.ppo.roles.forward import model_device, response_logprobs, train_shard
 from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
@@ -103,10 +105,7 @@ class PolicyWorker(TrainedWorker):
         if self.engine is None:  # no engine of its own: nothing to keep in sync here
             return count
         ident = self.identity
-        # Whole-tensor shapes: a sharded parameter (DTensor) reports its global shape.
-        shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                  for n, p in self.model.named_parameters()}
-        self.sync = WeightSync(fsdp.local_shards(self.model), shapes, rank=ident.rank,
+        self.sync = WeightSync(self.served_shards(), self.served_shapes(), rank=ident.rank,
                                world_size=ident.world_size, engine_dtype=self.dtype)
         # Before any generation the engine must hold exactly the actor's weights (a resumed
         # run's included; vLLM starts from random ones): one fingerprint-checked sync now.
@@ -128,9 +127,31 @@ class PolicyWorker(TrainedWorker):
         its weights by the first sync (vLLM reads only the model's config either way)."""
         # The reference is the policy as it was at step 0, built only when a KL term is used.
         meta = self.from_skeleton  # then the reference is a skeleton too, filled in `setup`
-        self.reference = self._initial_policy(meta) if self.config.algo.kl_coef > 0 else None
+        # With LoRA the reference is the actor with its adapters off: no copy is made.
+        wanted = self.config.algo.kl_coef > 0 and not self.config.lora.enabled
+        self.reference = self._initial_policy(meta) if wanted else None
         self._reference_unfilled = meta and self.reference is not None
         self.engine = self._make_engine(model)
+
+    def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """LoRA adapters on the actor when `lora.rank` > 0 (`lora.attach`; the same A on
+        every rank, from the run's seed)."""
+        if not self.config.lora.enabled:
+            return model
+        return lora.attach(model, self.config.lora, seed=self.config.train.seed + 17)
+
+    def served_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (whole shape, dtype name) of every tensor the engine holds, in order: the
+        actor's parameters (a sharded one, a DTensor, reports its global shape); with LoRA,
+        the base model's (the engine is sent the merged weights)."""
+        return lora.served_shapes(self.model)
+
+    def served_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of what the engine holds: the actor's parameters, or with LoRA
+        the merged W + (alpha / r) B A (`lora.merged_local_shards`; a collective then)."""
+        shards = fsdp.local_shards(self.model)
+        return lora.merged_local_shards(self.model, shards) if self.config.lora.enabled \
+            else shards
 
     def _initial_policy(self, meta: bool = False) -> torch.nn.Module:
         # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
@@ -179,13 +200,14 @@ class PolicyWorker(TrainedWorker):
     def compute_logprobs(self, shard: Shard, *, reference: bool = False) -> WorkerResult:
         """Log-probs of every response token under the actor ("old_logp", with the entropy
         metric) or the reference ("ref_logp")."""
-        model = self.reference if reference else self.model
+        base = reference and self.config.lora.enabled  # the reference: adapters off
+        model = self.model if base or not reference else self.reference
         if model is None:
             raise RuntimeError("no reference model: it is built only when algo.kl_coef > 0")
         name = "ref_logp" if reference else "old_logp"
         builder = ResultBuilder.for_shard(self.identity, shard)
         device = model_device(model)  # the builder keeps CPU copies of what it is given
-        with torch.no_grad():
+        with torch.no_grad(), lora.adapters_off(model) if base else nullcontext():
             for mb in shard.micro_batches():
                 with builder.span(name):
                     x = model_inputs(mb.to(device), self.pad_id,
@@ -199,7 +221,7 @@ class PolicyWorker(TrainedWorker):
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
                 if ent is not None:
                     builder.metric("actor/entropy", ent[x.response_mask.bool()], "mean_tokens")
-        if reference:  # no backward will reshard its root (embedding, head): free them now
+        if reference and not base:  # no backward reshards its root (embedding, head): free them
             fsdp.reshard(model)
         return builder.build()
 
@@ -267,8 +289,7 @@ class PolicyWorker(TrainedWorker):
         engine stays awake until the next generation ends."""
         handoff.wake_for_load(self.engine, self.device)
         group = self.process_group if self.identity.world_size > 1 else None
-        report = self.sync.run(fsdp.local_shards(self.model), self.engine.sink, group,
-                               self.device)
+        report = self.sync.run(self.served_shards(), self.engine.sink, group, self.device)
         handoff.wake_for_generate(self.engine, self.device)
         return report
 

@@ -126,6 +126,11 @@ class TrainedWorker(Worker, abc.ABC):
             model.to(self.device)
         count = sum(p.numel() for p in model.parameters())
         self._before_shard(model)
+        # LoRA (the actor only, `lora.py`): adapters put in before sharding, on rank 0's whole
+        # copy too under meta init, so that both have the same names and the same A.
+        model = self._adapt(model)
+        if meta and full is not None:
+            full = self._adapt(full)
         # eval(): dropout off, so the old-logp or values pass and the update see the same
         # function (transformers' token classifier, the critic, has a 0.1 dropout before its
         # head; RL fine-tuning turns it off so a forward pass is a function of the weights).
@@ -137,7 +142,9 @@ class TrainedWorker(Worker, abc.ABC):
         if meta:
             meta_init.fill(self.model, full, group=group, device=self.device)
         del full
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
+        # Only what trains: with LoRA the frozen base weights get no AdamW state at all.
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=self.lr,
                                            weight_decay=self.config.train.weight_decay,
                                            betas=(0.9, 0.99))
         if isinstance(weights, str):  # resuming from shards: into the sharded model
@@ -166,6 +173,11 @@ class TrainedWorker(Worker, abc.ABC):
         FSDP2 shards it in place: the moment to copy anything out of it. Under meta init
         (`from_skeleton`) it is the skeleton instead: shapes and names, no weights. Nothing
         here."""
+
+    def _adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Called with the whole model (or meta init's skeleton) after `_before_shard`: the
+        moment to change what trains (the actor's LoRA adapters). Nothing here."""
+        return model
 
     def _set_lr(self, step: int, builder: ResultBuilder, prefix: str) -> None:
         """Set the optimizer's learning rate for training step `step` (`lr_at`); it is

@@ -1,10 +1,10 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds eight small sections (`algo` is in `algo.py`, `rollout` in
-`rollout.py`, `memory` in `memory.py`, chapter 6's `pipeline` in `pipeline.py`). Every field
-has a docstring, a default that runs on a laptop, and a check in `__post_init__` that names
-the field and the allowed range, so a bad value fails when the config is made — before Ray
-starts or any worker loads a model.
+One `PPOConfig` holds nine small sections (`algo` is in `algo.py`, `rollout` in
+`rollout.py`, `memory` in `memory.py`, `lora` in `lora.py`, chapter 6's `pipeline` in
+`pipeline.py`). Every field has a docstring, a default that runs on a laptop, and a check in
+`__post_init__` that names the field and the allowed range, so a bad value fails when the
+config is made — before Ray starts or any worker loads a model.
 
 Two kinds of sizes, never mixed:
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from avrid.ppo.setup.algo import AlgoConfig
+from avrid.ppo.setup.lora import LoraConfig
 from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.rollout import RolloutConfig
@@ -282,6 +283,7 @@ class PPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 

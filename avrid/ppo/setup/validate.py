@@ -46,6 +46,7 @@ def validate(config: PPOConfig, task: Task | None = None) -> None:
     """Raise ValueError naming the field if `config` breaks a rule that spans fields; with
     `task`, also the rules that need it (its response budget and alphabet)."""
     _algo(config)
+    _lora(config)
     _placement(config)
     _hardware(config)
     _rollout(config)
@@ -75,6 +76,13 @@ def _algo(config: PPOConfig) -> None:
          "expectation, so it would not pull the policy towards the reference; use "
          "kl_kind=k2 (gradient of KL(pi||ref)) or k3 (gradient of KL(ref||pi), GRPO's), "
          "or put k1 in the reward (algo.kl_in=reward)")
+
+
+def _lora(config: PPOConfig) -> None:
+    lo = config.lora
+    need(not (lo.enabled and config.rollout.engine == "vllm" and lo.sync == "adapter"),
+         "lora.sync", "serving the adapters themselves to vLLM is not built yet; set "
+         "lora.sync=merged (vLLM is then sent the merged weights, fingerprint-checked)")
 
 
 def _placement(config: PPOConfig) -> None:
