@@ -216,11 +216,13 @@ def estimate(name: str, x: AdvantageInputs) -> AdvantageOut:
 def compute_policy_loss(fn: PolicyLossFn, name: str, x: PolicyLossInputs) -> PolicyLossOut:
     """Run the loss `fn` (`resolve_policy_loss(name)`) on `x`; its result checked."""
     out = fn(x)
-    if not isinstance(out, PolicyLossOut) or tuple(out.per_token.shape) != tuple(x.mask.shape):
-        got = (tuple(out.per_token.shape) if isinstance(out, PolicyLossOut)
-               else type(out).__name__)
+    shape = tuple(x.mask.shape)
+    if not isinstance(out, PolicyLossOut) or any(
+            tuple(t.shape) != shape for t in (out.per_token, out.clipped, out.dual_clipped)):
+        got = (f"shapes {[tuple(t.shape) for t in (out.per_token, out.clipped)]}"
+               if isinstance(out, PolicyLossOut) else type(out).__name__)
         raise ValueError(f"algo.policy_loss={name!r} returned {got}; expected a PolicyLossOut "
-                         f"whose per_token is (B, T) = {tuple(x.mask.shape)}")
+                         f"whose per_token, clipped and dual_clipped are (B, T) = {shape}")
     return out
 
 
