@@ -42,6 +42,17 @@ def test_vllm_rollouts_match_the_trainer_and_sync_every_step(tmp_path: Path) -> 
     assert (tmp_path / "run" / "export" / "config.json").is_file()
 
 
+def test_a_lora_actor_syncs_its_merged_weights_into_vllm(tmp_path: Path) -> None:
+    """LoRA with lora.sync=merged: vLLM is sent W + (alpha / r) B A each step, fingerprint-
+    checked, and its log-probs are the adapted trainer's (the adapters do move: B != 0)."""
+    run = train(tiny_vllm(tmp_path / "lora", "lora.rank=8", "lora.sync=merged",
+                          "train.actor_lr=1e-2"))
+    for row in run.rows[1:]:
+        assert row["rollout/logprob_gap_max"] < 1e-4
+        assert row["sync/bytes_per_rank"] > 0
+    assert (tmp_path / "lora" / "export" / "adapter" / "adapter_config.json").is_file()
+
+
 def test_a_resumed_vllm_run_generates_with_the_resumed_weights(tmp_path: Path) -> None:
     full = train(tiny_vllm(tmp_path / "full"))
     out = tmp_path / "resumed"
