@@ -51,6 +51,31 @@ def check_mask(mask: torch.Tensor, shape: torch.Size | tuple[int, ...], *,
     return mask
 
 
+def check_groups(scores: torch.Tensor, group_ids: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate an outcome estimator's inputs: (B,) scores, (B,) integer group ids, a (B, T)
+    mask. Returns (mask as bool, scores as float32 without grad, each response's group index
+    0..G-1 in the order of the sorted ids).
+
+    Example:
+        >>> m, s, g = check_groups(torch.tensor([1, 0]), torch.tensor([7, 3]), torch.ones(2, 1))
+        >>> s.tolist(), g.tolist()
+        ([1.0, 0.0], [1, 0])
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D (B,), got shape {tuple(scores.shape)}")
+    if group_ids.shape != scores.shape:
+        raise ValueError(f"group_ids must have shape {tuple(scores.shape)}, "
+                         f"got {tuple(group_ids.shape)}")
+    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex \
+            or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    T = mask.shape[1] if mask.dim() == 2 else -1  # -1 makes check_mask reject a non-2-D mask
+    m = check_mask(mask, (scores.shape[0], T))
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    return m, scores.detach().float(), inv
+
+
 def _check_like(name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Shape-check a (B, T) input against its mask; return it as float32 with padding zeroed."""
     if tuple(t.shape) != tuple(mask.shape):
@@ -149,20 +174,9 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
         >>> [round(x, 4) for x in a[:, 0].tolist()]
         [0.866, -0.866, -0.866, 0.866]
     """
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D (B,), got shape {tuple(scores.shape)}")
-    if group_ids.shape != scores.shape:
-        raise ValueError(f"group_ids must have shape {tuple(scores.shape)}, "
-                         f"got {tuple(group_ids.shape)}")
-    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex \
-            or group_ids.dtype == torch.bool:
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     if eps <= 0:
         raise ValueError(f"eps must be > 0, got {eps}")
-    T = mask.shape[1] if mask.dim() == 2 else -1  # -1 makes check_mask reject a non-2-D mask
-    m = check_mask(mask, (scores.shape[0], T))
-    s = scores.detach().float()
-    _, inv = torch.unique(group_ids, return_inverse=True)  # group index 0..G-1 per response
+    m, s, inv = check_groups(scores, group_ids, mask)
     n = torch.bincount(inv).float()
     mean = torch.zeros_like(n).index_add_(0, inv, s) / n
     centred = s - mean[inv]

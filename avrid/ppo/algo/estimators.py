@@ -23,27 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from avrid.ppo.algo.advantages import check_mask, whiten
+from avrid.ppo.algo.advantages import check_groups, check_mask, whiten
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Validate outcome inputs; return (mask as bool, scores float32, per-response group sum,
-    per-response group size), the last two gathered back to shape (B,)."""
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D (B,), got shape {tuple(scores.shape)}")
-    if group_ids.shape != scores.shape:
-        raise ValueError(f"group_ids must have shape {tuple(scores.shape)}, "
-                         f"got {tuple(group_ids.shape)}")
-    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex \
-            or group_ids.dtype == torch.bool:
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    T = mask.shape[1] if mask.dim() == 2 else -1  # -1 makes check_mask reject a non-2-D mask
-    m = check_mask(mask, (scores.shape[0], T))
-    s = scores.detach().float()
+    """Validate outcome inputs (`check_groups`, and finite scores); return (mask as bool,
+    scores float32, per-response group sum, per-response group size), the last two gathered
+    back to shape (B,)."""
+    m, s, inv = check_groups(scores, group_ids, mask)
     if not bool(torch.isfinite(s).all()):
         raise ValueError("scores must be finite")
-    _, inv = torch.unique(group_ids, return_inverse=True)  # group index 0..G-1 per response
     n = torch.bincount(inv).float()
     total = torch.zeros_like(n).index_add_(0, inv, s)
     return m, s, total[inv], n[inv]
