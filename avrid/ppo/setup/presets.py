@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from avrid.ppo.setup.config import (
     AlgoConfig,
+    LoraConfig,
     ModelConfig,
     PlacementConfig,
     PPOConfig,
@@ -68,6 +69,17 @@ def tiny_grpo() -> PPOConfig:
         base, algo=dataclasses.replace(base.algo, name="grpo"),
         train=dataclasses.replace(base.train, steps=150, actor_lr=2e-3, critic_lr=2e-3,
                                   out_dir="runs/tiny_grpo"))
+
+
+def tiny_ppo_lora() -> PPOConfig:
+    """`tiny_ppo` training rank-8 LoRA adapters on the actor instead of its weights (the
+    critic trains in full). The adapters want a larger step than full weights: at 5e-3 seed 0
+    reached validation reward 1.0 at step 100 (full weights at 1e-3: step 125); at 2e-2 it
+    did not learn (0.07 -> 0.17 in 300 steps). Measured on this 2-core machine, 2026-11."""
+    base = tiny_ppo()
+    return dataclasses.replace(
+        base, lora=LoraConfig(rank=8, alpha=16.0),
+        train=dataclasses.replace(base.train, actor_lr=5e-3, out_dir="runs/tiny_ppo_lora"))
 
 
 def tiny_ppo_vllm() -> PPOConfig:
@@ -144,6 +156,7 @@ def qwen_gsm8k() -> PPOConfig:
 PRESETS: dict[str, Callable[[], PPOConfig]] = {
     "tiny-ppo": tiny_ppo,
     "tiny-grpo": tiny_grpo,
+    "tiny-ppo-lora": tiny_ppo_lora,
     "tiny-ppo-vllm": tiny_ppo_vllm,
     "small-cpu": small_cpu,
     "pipeline-cpu": pipeline_cpu,
