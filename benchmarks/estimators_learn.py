@@ -29,9 +29,9 @@ What it is not: a comparison of the estimators' speed or final quality (one pres
 learning rate tuned for GRPO, 100 steps), and not a timed test.
 
 Run: ``python benchmarks/estimators_learn.py [--steps 100] [--seeds 0 1 2] [--variants ...]
-[--modes sync one_step_off] [--jobs 1] [--set section.field=value ...]``. About 30 s a run
-in sync and 45 s in one_step_off on 2 cores. Exits 0 whether or not the target is met (a
-benchmark, not a test), non-zero if a run fails.
+[--modes sync one_step_off] [--jobs 1] [--set section.field=value ...]``. 35-90 s a run on
+2 cores (one_step_off the slower); the default 36 runs took 40 minutes on a shared machine.
+Exits 0 whether or not the target is met (a benchmark, not a test), non-zero if a run fails.
 """
 
 from __future__ import annotations
