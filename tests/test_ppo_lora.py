@@ -4,8 +4,9 @@ frozen and outside AdamW; the adapted model starts as the base; the reference is
 which equal W + (alpha / r) B A and give the adapted model's log-probs; a checkpoint holds the
 adapters only and a resumed run is the uninterrupted one; the export writes the merged model
 and a PEFT adapter directory that PEFT loads to the same function; it runs with FSDP2 over
-two ranks and in chapter 6's one-step-off mode. (vLLM adapter serving is not built yet: the
-config refuses it in one line.)"""
+two ranks and in chapter 6's one-step-off mode. vLLM adapter serving is the vllm tier's
+(`tests/test_ppo_vllm_lora.py`); here, that chapter 6's push, which sends merged weights only,
+refuses `lora.sync=adapter` in one line."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def policy(vocab: int = 16) -> torch.nn.Module:
 
 # ---- the adapters, on one model -----------------------------------------------------------------
 
-def test_the_config_checks_each_field_and_refuses_vllm_adapters_for_now() -> None:
+def test_the_config_checks_each_field_and_refuses_pushing_adapters() -> None:
     assert not LoraConfig().enabled and LoraConfig(rank=8).enabled
     assert LoraConfig(target_modules="q_proj, v_proj").targets == ["q_proj", "v_proj"]
     for field, value, match in [("rank", -1, "lora.rank"), ("alpha", 0.0, "lora.alpha"),
@@ -62,9 +63,11 @@ def test_the_config_checks_each_field_and_refuses_vllm_adapters_for_now() -> Non
         with pytest.raises(ValueError, match=match):
             LoraConfig(**{field: value})
     vllm = ["lora.rank=8", "rollout.engine=vllm", "model.num_heads=2"]  # head dim 32
-    with pytest.raises(ValueError, match="lora.sync.*not built yet.*lora.sync=merged"):
-        with_overrides(preset("tiny-grpo"), vllm)
-    assert with_overrides(preset("tiny-grpo"), [*vllm, "lora.sync=merged"]).lora.enabled
+    assert with_overrides(preset("tiny-grpo"), vllm).lora.sync == "adapter"  # hybrid: served
+    pushed = [*vllm, "pipeline.mode=one_step_off"]
+    with pytest.raises(ValueError, match="lora.sync.*one_step_off.*not built yet.*sync=merged"):
+        with_overrides(preset("tiny-grpo"), pushed)
+    assert with_overrides(preset("tiny-grpo"), [*pushed, "lora.sync=merged"]).lora.enabled
 
 
 def test_adapters_start_as_the_base_train_alone_and_switch_off_for_the_reference() -> None:

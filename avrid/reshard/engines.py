@@ -246,12 +246,20 @@ class AvridWorkerExtension:
 
         return int(get_tensor_model_parallel_rank())
 
-    def _avrid_held(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-        """This worker's parameters by vLLM name, as its kernels see them (see the class)."""
+    def _avrid_params(self) -> dict[str, tuple[torch.nn.Module | None, torch.nn.Parameter]]:
+        """vLLM name -> (the module that owns it, the parameter). An engine that serves LoRA
+        adapters wraps each adapted layer and keeps its weight as
+        ``<layer>.base_layer.weight``: listed under the layer's own name, which is the
+        weight's name in an engine without adapters."""
         model = self.model_runner.model
         modules = dict(model.named_modules())
-        return {name: _held_tensor(modules.get(name.rpartition(".")[0]), p)
-                for name, p in model.named_parameters() if names is None or name in names}
+        return {name.replace(_LORA_BASE, "."): (modules.get(name.rpartition(".")[0]), p)
+                for name, p in model.named_parameters()}
+
+    def _avrid_held(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """This worker's parameters by vLLM name, as its kernels see them (see the class)."""
+        return {name: _held_tensor(module, p) for name, (module, p) in self._avrid_params().items()
+                if names is None or name in names}
 
     def avrid_load_full(self, tensors: dict[str, torch.Tensor]) -> int:
         """HF names and full tensors into vLLM's in-place reload, which fuses q/k/v and
@@ -270,9 +278,7 @@ class AvridWorkerExtension:
         """Copy rank `rank`'s slices into this worker's fused parameters, if it is that rank."""
         if self._avrid_tp_rank() != rank:
             return 0
-        model = self.model_runner.model
-        modules = dict(model.named_modules())
-        params = dict(model.named_parameters())
+        owned = self._avrid_params()
         fused_names = {fused for _, fused, *_ in spec}
         held = self._avrid_held(fused_names)  # unpacked copies where vLLM packed them
         views = vllm_local_views(held, spec)
@@ -285,10 +291,10 @@ class AvridWorkerExtension:
             for name, view in views.items():
                 view.copy_(tensors[name])
             for fused in fused_names:  # CPU: vLLM packs its kernels' copy again
-                module = modules.get(fused.rpartition(".")[0])
+                module, param = owned[fused]
                 if module is None:
                     continue
-                if _is_packed(module, params[fused]):  # the patched copy is the weight now
+                if _is_packed(module, param):  # the patched copy is the weight now
                     module.weight = torch.nn.Parameter(held[fused], requires_grad=False)
                 if _has_kernel(module):
                     module.quant_method.process_weights_after_loading(module)
@@ -302,6 +308,9 @@ class AvridWorkerExtension:
         return rank, {name: region_checksum(views[name], shape, bounds)
                       for name, _, _, shape, bounds, counted in specs[rank] if counted}
 
+
+_LORA_BASE = ".base_layer."
+"""Where a LoRA-serving vLLM engine keeps an adapted layer's own weight."""
 
 _PROBE_ROWS = 1024
 """Rows of the identity pushed through a packed kernel at once (bounds the probe's memory)."""

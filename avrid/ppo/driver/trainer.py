@@ -222,7 +222,8 @@ class Trainer:
         batch, merged = self.learn(step, with_responses(prompts, gen.batch), phases)
         if self.updates_actor(step):
             with phases("weight_sync"):  # a call with no batch: only spans and the bytes
-                sync = phases.record(self.policy.call(PolicyWorker.sync_weights))
+                sync = phases.record(self.policy.call(PolicyWorker.sync_weights,
+                                                      version=step + 1))
         metrics = self._metrics(batch, [gen, *merged], phases)
         if self.updates_actor(step):
             reduced = merge_metrics(m for r in sync for m in r.metrics)

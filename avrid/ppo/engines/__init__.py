@@ -8,7 +8,9 @@ Read in this order:
 3. torch_engine.py  the `RolloutEngine` protocol and `TorchEngine`, a hand-written KV-cache
                     sampler whose log-probs match the trainer's forward pass
 4. vllm_engine.py   `VllmEngine`: the same protocol over a real ``vllm.LLM`` (CPU or GPU)
-5. vllm_logs.py     the scope the vLLM engine works in: vLLM's own log lines and warnings
+5. vllm_lora.py     LoRA adapters served by that engine from memory, and read back from its
+                    kernels for the fingerprint
+6. vllm_logs.py     the scope the vLLM engine works in: vLLM's own log lines and warnings
                     kept off the screen unless asked for, and put back afterwards
 
 No Ray here; the policy worker (`roles/policy.py`) owns an engine per rank.

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from avrid.ppo.engines import vllm_lora
 from avrid.ppo.engines.torch_engine import Completion, SamplingParams
 from avrid.ppo.engines.vllm_logs import quiet_vllm
 from avrid.reshard.engines import VLLM_EXTENSION, VllmSink
@@ -109,6 +110,10 @@ class VllmEngine:
     platform without it is refused. ``kv_cache_bytes`` fixes the KV cache size (default on
     CPU: `CPU_KV_CACHE_BYTES`); on GPU ``gpu_memory_utilization`` applies otherwise.
 
+    ``lora_rank`` > 0 makes the engine serve LoRA adapters of up to that rank, sent from
+    memory with `load_adapter` (`vllm_lora.py`); once one is loaded every request carries
+    it, and `adapter_checksums` reads back what the LoRA kernels hold.
+
     ``seed_mode``: "request" seeds each request (`request_seed`): a response depends on the
     call's seed and its index alone, but vLLM's sampler then draws row by row, with one
     torch.Generator per request. "batch" seeds vLLM's sampler once per `generate` call (the
@@ -128,7 +133,7 @@ class VllmEngine:
                  gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool | None = None,
                  tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  enforce_eager: bool | None = None, kv_cache_bytes: int | None = None,
-                 load_format: str = "auto", seed_mode: str = "request",
+                 load_format: str = "auto", seed_mode: str = "request", lora_rank: int = 0,
                  **llm_kwargs: Any) -> None:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
@@ -173,6 +178,13 @@ class VllmEngine:
             else:
                 llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             self.tensor_parallel_size = tensor_parallel_size
+            if lora_rank > 0:
+                if tensor_parallel_size != 1:
+                    raise ValueError("serving adapters from memory needs tensor_parallel_size"
+                                     " = 1 (the read-back reads one worker's slots)")
+                llm_kwargs.update(enable_lora=True, max_loras=vllm_lora.LORA_SLOTS,
+                                  max_cpu_loras=vllm_lora.LORA_SLOTS,
+                                  max_lora_rank=vllm_lora.engine_max_rank(lora_rank))
             self.llm = LLM(
                 model=model_path, max_model_len=max_model_len, seed=seed,
                 enable_sleep_mode=self.enable_sleep_mode, load_format=load_format,
@@ -190,6 +202,9 @@ class VllmEngine:
         # The sink also exposes `checksums(layout)` for the driver's stale-weight check.
         self.sink = QuietVllmSink(self.llm)
         self._asleep: set[str] = set()
+        self.lora_rank = lora_rank
+        self.adapter: tuple[int, int] | None = None
+        """(version, vLLM id) of the adapter every request carries; None: no adapter."""
 
     def _vllm_params(self, params: SamplingParams, index: int) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
@@ -220,7 +235,8 @@ class VllmEngine:
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         with quiet_vllm(), self._seeded(params):
             sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False,
+                                        lora_request=self._adapter_request())
         return [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
 
     @contextlib.contextmanager
@@ -243,6 +259,48 @@ class VllmEngine:
             raise RuntimeError("the weights are asleep: wake(tags=['weights']) before loading")
         self.sink.load({k: v.detach() for k, v in named})
         self.sink.finish()
+
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
+                     version: int) -> None:
+        """Serve the LoRA adapter `tensors` (PEFT keys: `vllm_lora.peft_key`; `config`: its
+        PEFT config as a dict) as weight version `version` from now on: registered under a
+        new id, then the previous adapter removed. The tensors are not modified."""
+        if not self.lora_rank:
+            raise RuntimeError("this engine serves no adapters: build it with lora_rank > 0")
+        if "weights" in self._asleep:
+            raise RuntimeError("the weights are asleep: wake(tags=['weights']) before loading")
+        old = self.adapter
+        lora_id = 1 if old is None else old[1] + 1
+        with quiet_vllm():
+            (held,) = self.llm.collective_rpc(vllm_lora.add_adapter,
+                                              args=(lora_id, dict(tensors), dict(config)))
+            if lora_id not in held:
+                raise RuntimeError(f"vLLM did not register adapter {lora_id} (holds {held})")
+            self.adapter = (version, lora_id)
+            if old is not None:
+                self.llm.collective_rpc(vllm_lora.remove_adapter, args=(old[1],))
+
+    def adapter_checksums(self) -> dict[str, int]:
+        """Whole-tensor fingerprints of what the LoRA kernels hold for the served adapter, by
+        PEFT key (B scaled by alpha / r, as `vllm_lora.held_form`)."""
+        if self.adapter is None:
+            raise RuntimeError("no adapter loaded: load_adapter() first")
+        with quiet_vllm():
+            (sums,) = self.llm.collective_rpc(vllm_lora.adapter_checksums,
+                                              args=(self.adapter[1],))
+        return sums
+
+    def _adapter_request(self) -> Any:
+        """The served adapter's request for every prompt of a call, or None without one;
+        its id is checked to be registered (vLLM would read the path of an unknown id, and
+        the in-process engine hangs when it does not exist)."""
+        if self.adapter is None:
+            return None
+        version, lora_id = self.adapter
+        if lora_id not in self.llm.llm_engine.list_loras():
+            raise RuntimeError(f"vLLM lost adapter {lora_id} (version {version}); it holds "
+                               f"{sorted(self.llm.llm_engine.list_loras())}")
+        return vllm_lora.adapter_request(version, lora_id)
 
     def checksums(self, layout: ModelLayout) -> dict[str, int]:
         """Partial fingerprints of what the engine's workers hold (all TP ranks added up),

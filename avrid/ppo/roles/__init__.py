@@ -17,8 +17,9 @@ Read in this order:
 8. policy.py       `PolicyWorker`: actor + reference + rollout engine per rank (hybrid engine)
 9. weight_sync.py  the actor's shards into each rank's engine (chapter 4), streamed group by
                    group, fingerprint-checked
-10. handoff.py     one GPU, two tenants: the order in which the engine sleeps and wakes
-11. critic.py      `CriticWorker`: values and the clipped value-loss update
+10. adapter_sync.py  LoRA into vLLM: the base once, then only the adapters, read back
+11. handoff.py     one GPU, two tenants: the order in which the engine sleeps and wakes
+12. critic.py      `CriticWorker`: values and the clipped value-loss update
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each

@@ -27,6 +27,7 @@ from avrid.dispatch import Packed, Shard
 from avrid.ppo.engines.models import ATTN_IMPLEMENTATION
 from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
 from avrid.ppo.roles import fsdp
+from avrid.ppo.roles.adapter_sync import serves_adapters
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.rollout import gpu_memory_share
 from avrid.results import ResultBuilder, WorkerResult
@@ -77,7 +78,9 @@ def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
                         # allocator costs memory and every sleep a round trip).
                         enable_sleep_mode=None if colocated else False,
                         seed_mode=config.rollout.seed_mode,
-                        kv_cache_bytes=None if mib is None else mib << 20)
+                        kv_cache_bytes=None if mib is None else mib << 20,
+                        # LoRA kernels only where the adapters themselves are served.
+                        lora_rank=config.lora.rank if serves_adapters(config) else 0)
     return engine, engine_dir
 
 

@@ -7,7 +7,8 @@ how much memory each turn can use and how many bytes cross the PCIe bus:
     after generating    `to_trainer`: the engine sleeps at level 2 — weights AND KV cache
                         released, no host copy: the trainer holds the master weights and the
                         next sync reloads them anyway (level 1 would copy them to pinned host
-                        memory and back every step, only to overwrite them)
+                        memory and back every step, only to overwrite them). An engine sent
+                        only LoRA adapters keeps its base: level 1 for it
     weight sync         `wake_for_load`: free the trainer's cached blocks, wake the weights
                         only (the KV cache is the big allocation; not yet), then the sync
                         loads the new weights bucket by bucket (`weight_sync.py`)
@@ -44,10 +45,12 @@ def empty_cache(device: str | torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def to_trainer(engine: Any) -> None:
-    """The engine releases the GPU to the trainer (a no-op if it already sleeps)."""
+def to_trainer(engine: Any, *, keep_weights: bool = False) -> None:
+    """The engine releases the GPU to the trainer (a no-op if it already sleeps).
+    `keep_weights`: the next sync does not reload them (an engine sent only LoRA adapters
+    keeps its base model): level 1, weights offloaded to host memory and brought back."""
     if not engine.asleep:
-        engine.sleep(level=TRAINER_SLEEP_LEVEL)
+        engine.sleep(level=1 if keep_weights else TRAINER_SLEEP_LEVEL)
 
 
 def wake_for_load(engine: Any, device: str | torch.device) -> None:

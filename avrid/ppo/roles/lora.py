@@ -103,6 +103,12 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def base_local_shards(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's shards of the BASE model under its own names, from `shards`
+    (`fsdp.local_shards(model)`): what an engine that applies the adapters itself holds."""
+    return {served_name(n): t for n, t in shards.items() if not is_adapter(n)}
+
+
 def merged_local_shards(model: torch.nn.Module,
                         shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's shards of the MERGED model under the base model's names, from `shards`

@@ -43,6 +43,7 @@ from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.engines.torch_engine import TorchEngine
 from avrid.ppo.roles import fsdp, handoff, lora, meta_init
+from avrid.ppo.roles.adapter_sync import AdapterSync, serves_adapters
 from avrid.ppo.roles.forward import model_device, response_logprobs, train_shard
 from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
@@ -86,6 +87,8 @@ class PolicyWorker(TrainedWorker):
         self._engine_dir: str | None = None
         self._engine_skeleton: torch.nn.Module | None = None  # meta init's torch engine
         self._reference_unfilled = False  # meta init: the reference's skeleton awaits its fill
+        self.adapter_sync: AdapterSync | None = None  # lora.sync=adapter into vLLM
+        self._version = 0  # the weight version the engine is sent next (names the adapter)
 
     def setup(self, weights: dict[str, torch.Tensor] | None = None,
               optimizer_state: dict | None = None) -> int:
@@ -107,6 +110,10 @@ class PolicyWorker(TrainedWorker):
         ident = self.identity
         self.sync = WeightSync(self.served_shards(), self.served_shapes(), rank=ident.rank,
                                world_size=ident.world_size, engine_dtype=self.dtype)
+        if serves_adapters(self.config):  # the base never changes: sent once, here
+            self.adapter_sync = AdapterSync(self.model, rank=ident.rank, engine_dtype=self.dtype)
+            group = self.process_group if ident.world_size > 1 else None
+            self.sync.run(self.served_shards(), self.engine.sink, group, self.device)
         # Before any generation the engine must hold exactly the actor's weights (a resumed
         # run's included; vLLM starts from random ones): one fingerprint-checked sync now.
         self.sync_weights()
@@ -147,11 +154,15 @@ class PolicyWorker(TrainedWorker):
         return lora.served_shapes(self.model)
 
     def served_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's shards of what the engine holds: the actor's parameters, or with LoRA
-        the merged W + (alpha / r) B A (`lora.merged_local_shards`; a collective then)."""
+        """This rank's shards of the weights the engine holds: the actor's parameters; with
+        LoRA the merged W + (alpha / r) B A (`lora.merged_local_shards`; a collective then),
+        or, where the engine is sent the adapters themselves, the base weights."""
         shards = fsdp.local_shards(self.model)
-        return lora.merged_local_shards(self.model, shards) if self.config.lora.enabled \
-            else shards
+        if not self.config.lora.enabled:
+            return shards
+        if serves_adapters(self.config):
+            return lora.base_local_shards(shards)
+        return lora.merged_local_shards(self.model, shards)
 
     def _initial_policy(self, meta: bool = False) -> torch.nn.Module:
         # Built as the actor is (fp32), then cast like the engine: the same bf16 function.
@@ -192,7 +203,9 @@ class PolicyWorker(TrainedWorker):
         result = generate_shard(self.engine, shard, self.identity, self.config,
                                 stop_ids=self.stop_ids, max_response=self.max_response,
                                 max_new_tokens=max_new_tokens, greedy=greedy, seed=seed)
-        handoff.to_trainer(self.engine)  # the GPU is the trainer's until the next sync
+        # The GPU is the trainer's until the next sync; an engine that serves adapters keeps
+        # its base weights (offloaded to host memory) instead of dropping them.
+        handoff.to_trainer(self.engine, keep_weights=self.adapter_sync is not None)
         return result
 
     # ---- log-probs -------------------------------------------------------------------------
@@ -273,23 +286,33 @@ class PolicyWorker(TrainedWorker):
 
     # ---- weight sync, checks ---------------------------------------------------------------
 
-    def sync_weights(self) -> WorkerResult:
-        """Actor shards -> this rank's engine (chapter 4), fingerprint-checked. The result
-        carries no samples: the span "weight_sync" for the timeline and the bytes this rank
-        received (``sync/bytes_per_rank``)."""
+    def sync_weights(self, version: int | None = None) -> WorkerResult:
+        """Actor shards -> this rank's engine (chapter 4), fingerprint-checked; `version`
+        (the driver's count of updates; default: one more than the last) names what was
+        sent. The result carries no samples: the span "weight_sync" for the timeline, the
+        bytes this rank received (``sync/bytes_per_rank``) and loaded into its engine
+        (``sync/engine_bytes``: the model, or only the adapters)."""
         builder = ResultBuilder.for_call(self.identity)
+        if version is not None:
+            self._version = version
         with builder.span("weight_sync"):
             report = self._load_engine()
         builder.metric("sync/bytes_per_rank", report.bytes_moved, "max", per_rank=True)
+        builder.metric("sync/engine_bytes", report.engine_bytes, "max", per_rank=True)
         return builder.build()
 
     def _load_engine(self) -> SyncReport:
         """The hand-over of `handoff.py`: the engine's weights woken (not its KV cache), the
-        actor's weights streamed in and checked, then the KV cache woken for generation; the
-        engine stays awake until the next generation ends."""
+        actor's weights (or adapters) streamed in and checked, then the KV cache woken for
+        generation; the engine stays awake until the next generation ends."""
         handoff.wake_for_load(self.engine, self.device)
-        group = self.process_group if self.identity.world_size > 1 else None
-        report = self.sync.run(self.served_shards(), self.engine.sink, group, self.device)
+        if self.adapter_sync is not None:
+            report = self.adapter_sync.run(self.model, self.engine, version=self._version,
+                                           device=self.device)
+        else:
+            group = self.process_group if self.identity.world_size > 1 else None
+            report = self.sync.run(self.served_shards(), self.engine.sink, group, self.device)
+        self._version += 1
         handoff.wake_for_generate(self.engine, self.device)
         return report
 

@@ -62,6 +62,8 @@ class SyncReport:
 
     bytes_moved: int
     """Bytes this rank received from other ranks."""
+    engine_bytes: int
+    """Bytes loaded into this rank's engine (its dtype): the whole model, or the adapters."""
     seconds: float
     """Wall time of transfer + load + check on this rank."""
 
@@ -112,6 +114,7 @@ class WeightSync:
         self.source = ModelLayout.fsdp(cast, world_size)
         # What one engine holds: every tensor whole (its checksums are whole-tensor ones).
         self.engine_layout = _replicated(cast, 1)
+        self.engine_bytes = sum(math.prod(s) * d.itemsize for s, d in cast.values())
         half = max(1, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // 2)
         self.groups = load_groups(cast, half)
         # One plan per group, from the shapes alone. Rank r plays source rank r and target
@@ -145,6 +148,7 @@ class WeightSync:
         check_same(combine(parts), sink.checksums(self.engine_layout, 0),
                    where=f"rollout engine of policy rank {self.rank}")
         return SyncReport(bytes_moved=sum(p.bytes_to(self.rank) for p in self.plans),
+                          engine_bytes=self.engine_bytes,
                           seconds=time.perf_counter() - start)
 
 

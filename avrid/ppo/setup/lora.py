@@ -8,9 +8,11 @@ adapters switched off, so a KL term needs no second copy of the weights. The cri
 trained in full either way.
 
 What the rollout engine gets (`sync`): the torch engine has no adapter path, so it is always
-given the merged weights W + (alpha / rank) B A, fingerprint-checked like any sync. vLLM can
-serve the adapters themselves ("adapter"), which is not built yet: until it is, a vLLM run
-with LoRA needs `lora.sync=merged` and says so.
+given the merged weights W + (alpha / rank) B A, fingerprint-checked like any sync. vLLM
+serves the adapters themselves ("adapter": the base once, then A and B only at each sync,
+`roles/adapter_sync.py`) or takes the merged weights ("merged"). Chapter 6's push to a rollout
+pool sends merged weights only, so a pipelined vLLM run with LoRA needs `lora.sync=merged`
+and says so.
 
 Not here: the adapter modules and the merge (`roles/lora.py`), the rules that tie this
 section to others (`validate.py`).

