@@ -8,7 +8,8 @@
     avrid ppo --estimate-memory [--gpu-memory 80GB]  peak memory per GPU and phase; fits?
     (Ctrl-C, or a scheduler's SIGTERM, stops a run: exit 130 or 143 and how to resume it)
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
-                            for its latest checkpoint, a checkpoints/ root or a step directory)
+                            for its latest checkpoint, a checkpoints/ root or a step directory;
+                            a LoRA run: its PEFT adapter, and with --merged the merged model)
     avrid chapters          list the chapters and how to run each demo
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
     avrid demo all          run every chapter's demo in order
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                         "root or a step directory")
     export.add_argument("dest", help="the directory to write (must not exist, or be empty)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty DEST")
+    export.add_argument("--merged", action="store_true", help="a LoRA run: write the merged "
+                        "model too (base + adapters), not only the PEFT adapter in DEST/adapter")
     # Errors are one line; --debug shows the traceback (and, for ppo, vLLM's own log lines).
     ppo.add_argument("--debug", action="store_true", help="show vLLM's own log lines, and on "
                      "an error the full traceback (or AVRID_DEBUG=1)")
@@ -366,7 +369,8 @@ def _export(args: argparse.Namespace) -> None:
     from avrid.ppo.outputs.export import export_checkpoint
 
     try:
-        done = export_checkpoint(args.source, args.dest, overwrite=args.overwrite)
+        done = export_checkpoint(args.source, args.dest, overwrite=args.overwrite,
+                                 merged=args.merged)
     except (ValueError, OSError) as e:  # not a checkpoint, destination taken, files gone
         _fail("avrid export", e, debug=args.debug)
     print(f"avrid export: step {done.step} of {done.checkpoint} -> {done.dest}/ "

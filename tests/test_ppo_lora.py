@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from avrid.cli import main
 from avrid.pipeline import make_trainer
 from avrid.ppo.driver.run import train
 from avrid.ppo.engines.models import build_tiny_policy, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
+from avrid.ppo.outputs.export import export_checkpoint
 from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.roles import lora
 from avrid.ppo.roles.policy import PolicyWorker
@@ -205,6 +207,20 @@ def test_the_export_is_the_merged_policy_and_a_peft_adapter_that_loads(tmp_path:
     adapted = PeftModel.from_pretrained(base, str(export / "adapter"))
     x = torch.randint(2, 10, (2, 6))
     assert torch.allclose(adapted(x).logits, merged(x).logits, atol=1e-5)
+
+    # `avrid export` writes the adapter, and the merged model only on request (--merged).
+    only = tmp_path / "adapter-only"
+    done = export_checkpoint(out, only, merged=False)
+    assert "model.safetensors" not in done.files and {"adapter", "config.json"} <= set(done.files)
+    again = PeftModel.from_pretrained(policy_like(tmp_path), str(only / "adapter"))
+    assert torch.allclose(again(x).logits, merged(x).logits, atol=1e-5)
+    # An adapter-only export is an earlier export: --overwrite may replace it, with a merged one.
+    done = export_checkpoint(out, only, overwrite=True, merged=True)
+    assert {"adapter", "config.json", "model.safetensors"} <= set(done.files)
+    main(["export", str(out), str(tmp_path / "cli")])
+    assert not (tmp_path / "cli" / "model.safetensors").exists()
+    main(["export", str(out), str(tmp_path / "cli"), "--overwrite", "--merged"])
+    assert (tmp_path / "cli" / "model.safetensors").is_file()
 
 
 def test_lora_trains_over_two_fsdp_ranks_in_bf16_and_one_step_off(tmp_path: Path,

@@ -129,8 +129,12 @@ def resolve_checkpoint(source: str | os.PathLike[str]) -> Path:
 
 
 def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[str], *,
-                      overwrite: bool = False) -> Exported:
+                      overwrite: bool = False, merged: bool = True) -> Exported:
     """Export the policy of a checkpoint (see `resolve_checkpoint`) to `dest`, atomically.
+
+    A LoRA checkpoint gives a PEFT adapter directory (``dest/adapter``) beside the base's
+    config and tokenizer, and with `merged` also the merged model (``model.safetensors``:
+    the rebuilt base with the adapters merged in). Any other checkpoint gives the model.
 
     Raises:
         ExportDestError: (a FileExistsError) `dest` is, contains or lies inside the source
@@ -150,17 +154,17 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
     weights = (read_model_weights(ckpt.sharded["actor"]) if "actor" in ckpt.sharded
                else ckpt.weights["actor"])
     adapter = None
-    if is_lora_checkpoint(weights):  # adapters only: merged onto the rebuilt base, and kept
+    if is_lora_checkpoint(weights):  # adapters only: kept, and merged onto the rebuilt base
         cfg = _ppo_config(ckpt.state["config"])
         adapter = adapter_files(cfg, weights)
-        weights = merged_policy(cfg, tokenizer, weights)
+        weights = merged_policy(cfg, tokenizer, weights) if merged else None
     out = export_policy(dest, weights, config=ckpt.state["config"], tokenizer=tokenizer,
                         overwrite=overwrite, source=step_dir, adapter=adapter)
     return Exported(dest=out, checkpoint=step_dir, step=ckpt.step,
                     files=tuple(sorted(p.name for p in out.iterdir())))
 
 
-def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], *,
+def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tensor] | None, *,
                   config: Mapping[str, Mapping[str, Any]], tokenizer: Mapping[str, Any],
                   overwrite: bool = False, source: Path | None = None,
                   adapter: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None) -> Path:
@@ -168,7 +172,8 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
 
     Args:
         dest: the export directory; must not exist or be empty unless `overwrite`.
-        weights: parameter name -> tensor, as `Trainer.state` gathers them.
+        weights: parameter name -> tensor, as `Trainer.state` gathers them; None (with an
+            `adapter`): no model file, the adapter and the base's config only.
         config: the run's config as `config_file.config_to_dict` makes it (state.json's "config").
         tokenizer: a `tokenizer_record`.
         overwrite: replace an earlier export in `dest` (the old one is removed only once the
@@ -185,11 +190,13 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
         ExportDestError: (a FileExistsError) `dest` would destroy a run or files that are
             not an earlier export, or is not empty and `overwrite` is False.
     """
+    if weights is None and adapter is None:
+        raise ValueError("nothing to export: no weights and no adapter")
     dest = check_export_dest(Path(dest), source, overwrite=overwrite)
     model = config["model"]
     dtype = getattr(torch, model["dtype"])
     hf_config = _hf_config(config, tokenizer)
-    tensors = _weights_for(hf_config, weights, dtype)
+    tensors = None if weights is None else _weights_for(hf_config, weights, dtype)
     hf_config.dtype = dtype
     text = hf_config.to_dict()
     # Transformers 5 writes "dtype", 4.x (and older vLLM) read "torch_dtype": give both.
@@ -203,8 +210,9 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
     try:
         write_file(tmp / "config.json",
                     lambda p: p.write_text(json.dumps(text, indent=2, sort_keys=True) + "\n"))
-        write_file(tmp / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
-                                                            metadata={"format": "pt"}))
+        if tensors is not None:
+            write_file(tmp / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
+                                                                metadata={"format": "pt"}))
         write_file(tmp / "generation_config.json", lambda p: gen.to_json_file(p))
         _write_tokenizer(tmp, tokenizer)
         if adapter is not None:

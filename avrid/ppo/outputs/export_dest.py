@@ -32,6 +32,8 @@ from avrid.ppo.outputs.outdir import LOCK_FILE
 RUN_EXPORT = "export"
 """The sub-directory of a run where ``avrid ppo`` writes its final policy."""
 EXPORT_MARKERS = ("config.json", "model.safetensors")
+"""Files an export holds; a LoRA export without the merged model has its adapter/ instead of
+model.safetensors."""
 ADAPTER_DIR, ADAPTER_CONFIG, ADAPTER_WEIGHTS = (
     "adapter", "adapter_config.json", "adapter_model.safetensors")
 """A LoRA run's export also holds its PEFT adapter directory (`export_lora.py`)."""
@@ -123,7 +125,8 @@ def check_export_dest(dest: Path, step_dir: Path | None, *, overwrite: bool) -> 
         if not _looks_like_export(target):
             raise ExportDestError(
                 f"export destination {dest} is not an earlier export (an export holds "
-                f"{' and '.join(EXPORT_MARKERS)} and no folder but a LoRA adapter/); "
+                f"{EXPORT_MARKERS[0]} with {EXPORT_MARKERS[1]} or a LoRA {ADAPTER_DIR}/, and "
+                f"no other folder); "
                 f"--overwrite replaces only "
                 f"an export, never other files: choose a new or empty directory")
     return target
@@ -135,6 +138,7 @@ def _looks_like_export(path: Path) -> bool:
     # The one folder an export may hold: a LoRA run's PEFT adapter (`export_lora.py`), with
     # nothing in it but the adapter's two files.
     folders = [p for p in entries if p.is_dir()]
-    return all(m in names for m in EXPORT_MARKERS) and all(
+    model, adapter = EXPORT_MARKERS[1], ADAPTER_DIR
+    return EXPORT_MARKERS[0] in names and (model in names or adapter in names) and all(
         p.name == ADAPTER_DIR and {q.name for q in p.iterdir()} <= ADAPTER_FILES
         and not any(q.is_dir() for q in p.iterdir()) for p in folders)
