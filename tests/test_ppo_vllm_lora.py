@@ -143,3 +143,42 @@ def test_served_adapters_match_the_trainer_the_merged_model_and_catch_staleness(
     assert [c.token_ids for c in again] == [c.token_ids for c in served]
     assert max(abs(a - b) for x, y in zip(again, served, strict=True)
                for a, b in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+
+
+def test_a_bf16_engine_with_some_modules_adapted_holds_exactly_what_the_check_expects(
+        tmp_path: Path) -> None:
+    """bf16 (the GPU dtype): vLLM casts B and then scales it in bf16, and the check expects
+    just that, bit for bit; adapters on q, v and down only leave k (in the fused qkv) and
+    gate/up without one, which the read-back skips; alpha 32 makes the scaling 4."""
+    base = build_tiny_policy(SPEC, seed=3, pad_token_id=PAD)
+    base.save_pretrained(tmp_path / "base")
+    adapted = lora.attach(copy.deepcopy(base), LoraConfig(rank=8, alpha=32.0,
+                                                          target_modules="q_proj,v_proj,down_proj"),
+                          seed=4)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    from avrid.ppo.engines.vllm_engine import VllmEngine
+
+    eng = VllmEngine(str(tmp_path / "base"), max_model_len=128, seed=0, dtype="bfloat16",
+                     enforce_eager=True, lora_rank=8)
+    try:
+        sync = AdapterSync(adapted, rank=0, engine_dtype=torch.bfloat16)
+        assert sync.scaling == 4.0 and sync.config["target_modules"] == [
+            "down_proj", "q_proj", "v_proj"]
+        sync.run(adapted, eng, version=1)  # raises if a held tensor is off by one bit
+        held = eng.adapter_checksums()
+        assert len(held) == 2 * 3 * SPEC.num_layers  # A and B of three modules per layer
+        assert not any(".k_proj." in k or ".gate_proj." in k for k in held)
+        done = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=1))
+        assert all(len(c.token_ids) == 8 for c in done)
+        stale = StaleEngine(eng)
+        sync.run(adapted, stale, version=2)  # its first load: up to date
+        with torch.no_grad():
+            adapted.model.layers[0].self_attn.v_proj.lora_A[lora.ADAPTER].weight.mul_(0.5)
+        with pytest.raises(StaleWeightsError,
+                           match=r"version 3.*layers\.0\.self_attn\.v_proj\.lora_A"):
+            sync.run(adapted, stale, version=3)
+    finally:
+        eng.close()
