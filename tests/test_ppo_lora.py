@@ -5,8 +5,8 @@ which equal W + (alpha / r) B A and give the adapted model's log-probs; a checkp
 adapters only and a resumed run is the uninterrupted one; the export writes the merged model
 and a PEFT adapter directory that PEFT loads to the same function; it runs with FSDP2 over
 two ranks and in chapter 6's one-step-off mode. vLLM adapter serving is the vllm tier's
-(`tests/test_ppo_vllm_lora.py`); here, that chapter 6's push, which sends merged weights only,
-refuses `lora.sync=adapter` in one line."""
+(`tests/test_ppo_vllm_lora.py`, and chapter 6's push of adapters in
+`tests/test_ppo_vllm_loop.py`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def policy(vocab: int = 16) -> torch.nn.Module:
 
 # ---- the adapters, on one model -----------------------------------------------------------------
 
-def test_the_config_checks_each_field_and_refuses_pushing_adapters() -> None:
+def test_the_config_checks_each_field() -> None:
     assert not LoraConfig().enabled and LoraConfig(rank=8).enabled
     assert LoraConfig(target_modules="q_proj, v_proj").targets == ["q_proj", "v_proj"]
     for field, value, match in [("rank", -1, "lora.rank"), ("alpha", 0.0, "lora.alpha"),
@@ -65,11 +65,11 @@ def test_the_config_checks_each_field_and_refuses_pushing_adapters() -> None:
         with pytest.raises(ValueError, match=match):
             LoraConfig(**{field: value})
     vllm = ["lora.rank=8", "rollout.engine=vllm", "model.num_heads=2"]  # head dim 32
-    assert with_overrides(preset("tiny-grpo"), vllm).lora.sync == "adapter"  # hybrid: served
-    pushed = [*vllm, "pipeline.mode=one_step_off"]
-    with pytest.raises(ValueError, match="lora.sync.*one_step_off.*not built yet.*sync=merged"):
-        with_overrides(preset("tiny-grpo"), pushed)
-    assert with_overrides(preset("tiny-grpo"), [*pushed, "lora.sync=merged"]).lora.enabled
+    assert with_overrides(preset("tiny-grpo"), vllm).lora.sync == "adapter"  # the default
+    for mode in ("one_step_off", "async"):  # pushed to a rollout pool: adapters or merged
+        for sync in ("adapter", "merged"):
+            assert with_overrides(preset("tiny-grpo"), [*vllm, f"pipeline.mode={mode}",
+                                                        f"lora.sync={sync}"]).lora.enabled
 
 
 def test_adapters_start_as_the_base_train_alone_and_switch_off_for_the_reference() -> None:

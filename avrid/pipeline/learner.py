@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from avrid.pipeline.push_group import PushGroup
 from avrid.pipeline.transfer import PushBucket, Shapes, post_buckets, push_buckets
 from avrid.ppo.roles import lora
+from avrid.ppo.roles.adapter_sync import AdapterSync, serves_adapters
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.reshard import TransferPlan, layout_checksums
 from avrid.workers.outcome import free_port
@@ -52,8 +53,20 @@ class LearnerWorker(PolicyWorker):
         return None
 
     def weight_shapes(self) -> Shapes:
-        """name -> (whole shape, dtype name) of every actor parameter, in order."""
-        return self.served_shapes()  # with LoRA: the base model's names (merged weights)
+        """name -> (whole shape, dtype name) of every tensor a push sends, in order: the
+        actor's parameters; with LoRA the base model's names (merged weights), or where the
+        pool serves adapters (`serves_adapters`), the adapters' PEFT keys alone."""
+        if self._adapters() is not None:
+            return self._adapters().shapes(self.model)
+        return self.served_shapes()
+
+    def _adapters(self) -> AdapterSync | None:
+        """What the push needs to send adapters (`lora.sync=adapter` with vLLM), made on
+        first use; None when weights are pushed."""
+        if self.adapter_sync is None and serves_adapters(self.config):
+            self.adapter_sync = AdapterSync(self.model, rank=self.identity.rank,
+                                            engine_dtype=self.dtype)
+        return self.adapter_sync
 
     def transfer_address(self) -> tuple[str, int]:
         """Where this rank (rank 0) hosts the push group's TCP store: IP and free port."""
@@ -81,7 +94,11 @@ class LearnerWorker(PolicyWorker):
         # The fingerprints of this rank's own shards, cast as the engine holds them: added
         # up over the ranks (on the driver) they are the whole tensors' — whatever the
         # gather, the buckets and the broadcast did, the engine must end up with those.
-        shards = {n: t.to(self.dtype) for n, t in self.served_shards().items()}
+        adapters = self._adapters()
+        if adapters is not None:  # as the LoRA kernels hold them: B scaled by alpha / r
+            shards = adapters.held_local(self.model)
+        else:
+            shards = {n: t.to(self.dtype) for n, t in self.served_shards().items()}
         sums = layout_checksums(self._plan.source, self.identity.rank, shards)
         del shards
         params = dict(self.model.named_parameters())  # resharded by local_shards above
@@ -90,7 +107,10 @@ class LearnerWorker(PolicyWorker):
         def whole(name: str) -> torch.Tensor:
             """Tensor `name` whole, in the engine's dtype: FSDP2's all-gather of the cast
             shards (every trainer rank calls it, in the buckets' order); with LoRA the
-            merged weight, merged in fp32 and then cast, as `served_shards` does."""
+            adapter itself, or the merged weight, merged in fp32 and then cast, as
+            `served_shards` does."""
+            if adapters is not None:
+                return adapters.whole(self.model, name)
             if adapted:
                 return lora.merged_whole(self.model, name, params).to(self.dtype)
             cast = params[name].detach().to(self.dtype)

@@ -40,6 +40,8 @@ from avrid.pipeline.transfer import (
     receive_bucket,
 )
 from avrid.ppo.engines.models import initial_policy
+from avrid.ppo.engines.vllm_lora import peft_config
+from avrid.ppo.roles.adapter_sync import load_base, serves_adapters
 from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import TransferPlan
@@ -78,6 +80,7 @@ class RolloutWorker(Worker):
         self._buckets: tuple[PushBucket, ...] = ()
         self._timeout_s = 0.0
         self._engine_dir: str | None = None
+        self._adapter_config: dict | None = None  # serving adapters: their PEFT config
         torch.set_num_threads(max(1, int(config.placement.cpus_per_worker)))
 
     def setup(self) -> None:
@@ -90,6 +93,8 @@ class RolloutWorker(Worker):
         self.engine, self._engine_dir = build_engine(
             self.config, model, rank=self.identity.rank, pad_id=self.pad_id,
             max_response=self.max_response, colocated=False)
+        if serves_adapters(self.config):
+            load_base(self.engine, model, getattr(torch, self.config.model.dtype))
 
     def join_transfer(self, address: str, port: int, plan: TransferPlan,
                       timeout_s: float) -> None:
@@ -101,6 +106,10 @@ class RolloutWorker(Worker):
         self._plan, self._timeout_s = plan, timeout_s
         self._buckets = push_buckets(plan.target, plan.bucket_bytes)
         self._layout = engine_layout(plan)  # what the engine's fingerprints are taken under
+        # Serving adapters, the push carries them alone (PEFT keys): vLLM needs their config.
+        lo = self.config.lora
+        self._adapter_config = (peft_config(lo.rank, lo.alpha, [n for n, _ in plan.target.params])
+                                if serves_adapters(self.config) else None)
 
     def receive_weights(self, version: int) -> Received:
         """Receive the trainer's weights of `version`, bucket by bucket, each within the push
@@ -122,9 +131,13 @@ class RolloutWorker(Worker):
             self._transfer.leave()
             self._transfer = None
             raise
-        sink = self.engine.sink
-        self._load(sink, full)
-        sums = sink.checksums(self._layout, 0)  # what the engine now holds
+        if self._adapter_config is not None:  # a new adapter id; its read-back fingerprints
+            self.engine.load_adapter(full, self._adapter_config, version=version)
+            sums = self.engine.adapter_checksums()
+        else:
+            sink = self.engine.sink
+            self._load(sink, full)
+            sums = sink.checksums(self._layout, 0)  # what the engine now holds
         self.version = version
         return Received(rank=self.identity.rank, version=version, checksums=sums,
                         start=start, end=time.time())

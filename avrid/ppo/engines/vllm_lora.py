@@ -43,13 +43,12 @@ from typing import Any
 
 import torch
 
+from avrid.ppo.setup.lora import MAX_LORA_RANKS
 from avrid.reshard import fingerprint
 
 LORA_SLOTS = 2
 """Adapters resident at once: the version being loaded beside the one it replaces."""
 
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ranks vLLM 0.32 accepts as its largest adapter rank (`vllm/config/lora.py`)."""
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT's saved adapters put before a module's name (vLLM strips it)."""
@@ -79,6 +78,21 @@ def peft_key(name: str) -> str:
     'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'
     """
     return PEFT_PREFIX + name.replace(".default.", ".")
+
+
+def peft_config(rank: int, alpha: float, keys: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The PEFT config vLLM reads for adapters of `rank` and `alpha` whose tensors are `keys`
+    (PEFT keys): the adapted modules by their leaf names.
+
+    >>> keys = ["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+    ...         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    >>> peft_config(8, 16.0, keys)["target_modules"]
+    ['q_proj', 'up_proj']
+    """
+    # "<module>.<leaf>.lora_A.weight" -> "<leaf>"
+    targets = sorted({k.rsplit(".", 2)[0].rpartition(".")[2] for k in keys})
+    return {"r": int(rank), "lora_alpha": float(alpha), "target_modules": targets,
+            "bias": "none", "use_rslora": False, "use_dora": False}
 
 
 def held_form(tensors: Mapping[str, torch.Tensor], scaling: float,

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from avrid.ppo.engines.vllm_lora import held_form, peft_key
+from avrid.ppo.engines.vllm_lora import held_form, peft_config, peft_key
 from avrid.ppo.roles import lora
 from avrid.ppo.roles.weight_sync import SyncReport
 from avrid.ppo.setup.config import PPOConfig
-from avrid.reshard import check_same, fingerprint
+from avrid.reshard import ModelLayout, ParamLayout, check_same, fingerprint
 
 
 def serves_adapters(config: PPOConfig) -> bool:
@@ -57,12 +57,34 @@ class AdapterSync:
         self.scaling = float(layer.scaling[lora.ADAPTER])
         # What vLLM's PEFT helper reads: the rank, alpha (scaling = alpha / r) and the
         # adapted modules by their leaf names.
-        targets = sorted({name.rpartition(".")[2] for name, _ in layers})
-        self.config: dict[str, Any] = {
-            "r": int(layer.r[lora.ADAPTER]), "lora_alpha": float(layer.lora_alpha[lora.ADAPTER]),
-            "target_modules": targets, "bias": "none", "use_rslora": False, "use_dora": False}
+        self.config: dict[str, Any] = peft_config(
+            layer.r[lora.ADAPTER], layer.lora_alpha[lora.ADAPTER],
+            [peft_key(n) for n in self.names])
         self.adapter_bytes = sum(p.numel() for n, p in model.named_parameters()
                                  if n in self.names) * engine_dtype.itemsize
+        self._by_key = {peft_key(n): n for n in self.names}
+
+    def shapes(self, model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+        """PEFT key -> (whole shape, dtype name) of every adapter tensor, in order: what
+        chapter 6's push sends a rollout pool that serves adapters."""
+        params = dict(model.named_parameters())
+        return {peft_key(n): (tuple(params[n].shape), str(params[n].dtype).removeprefix("torch."))
+                for n in self.names}
+
+    def held_local(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's shards of the adapters in the form the kernels hold them (cast, B
+        scaled), by PEFT key: their partial fingerprints, added over the ranks, are what a
+        rollout engine serving the pushed adapter must report (the scaling is per element)."""
+        params = dict(model.named_parameters())
+        local = {peft_key(n): _local(params[n].detach()) for n in self.names}
+        return held_form(local, self.scaling, self.engine_dtype)
+
+    def whole(self, model: torch.nn.Module, key: str) -> torch.Tensor:
+        """Adapter tensor `key` (a PEFT key) whole, in the engine's dtype (collective under
+        FSDP2: every rank calls it for the same keys in the same order)."""
+        name = self._by_key[key]
+        cast = dict(model.named_parameters())[name].detach().to(self.engine_dtype)
+        return cast.full_tensor() if isinstance(cast, DTensor) else cast
 
     def run(self, model: torch.nn.Module, engine: Any, *, version: int,
             device: str | torch.device = "cpu") -> SyncReport:
@@ -88,3 +110,20 @@ class AdapterSync:
         return SyncReport(bytes_moved=received * self.engine_dtype.itemsize,
                           engine_bytes=self.adapter_bytes,
                           seconds=time.perf_counter() - start)
+
+
+def load_base(engine: Any, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Load `model` (the base: the run's initial policy) into `engine` and check it by
+    fingerprint. Chapter 6's rollout pool, serving adapters, builds its base itself, as every
+    trainer rank does (`models.initial_policy`: the same seed or checkpoint, the same
+    tensors), and is then pushed the adapters alone."""
+    tensors = {n: p.detach().to(dtype) for n, p in model.named_parameters()}
+    engine.load_weights(tensors.items())
+    layout = ModelLayout(world_size=1, params=tuple(
+        (n, ParamLayout.replicated(tuple(t.shape), t.dtype, 1)) for n, t in tensors.items()))
+    check_same(dict(fingerprint(tensors).checksums), engine.checksums(layout),
+               where="rollout engine's base model")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -10,9 +10,8 @@ trained in full either way.
 What the rollout engine gets (`sync`): the torch engine has no adapter path, so it is always
 given the merged weights W + (alpha / rank) B A, fingerprint-checked like any sync. vLLM
 serves the adapters themselves ("adapter": the base once, then A and B only at each sync,
-`roles/adapter_sync.py`) or takes the merged weights ("merged"). Chapter 6's push to a rollout
-pool sends merged weights only, so a pipelined vLLM run with LoRA needs `lora.sync=merged`
-and says so.
+`roles/adapter_sync.py`; chapter 6's push to a rollout pool alike) or takes the merged weights
+("merged").
 
 Not here: the adapter modules and the merge (`roles/lora.py`), the rules that tie this
 section to others (`validate.py`).
@@ -24,6 +23,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from avrid.ppo.setup.validate import finite, need, one_of
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM 0.32 accepts as its largest adapter rank (`vllm/config/lora.py`): an engine
+serving adapters of rank r is built with the smallest of these >= r."""
 
 LoraSync = Literal["adapter", "merged"]
 """What a weight sync sends a vLLM engine: the adapters, or the merged weights."""

@@ -80,11 +80,12 @@ def _algo(config: PPOConfig) -> None:
 
 def _lora(config: PPOConfig) -> None:
     lo = config.lora
+    from avrid.ppo.setup.lora import MAX_LORA_RANKS  # here: setup/lora.py imports this file
+
     adapters = lo.enabled and config.rollout.engine == "vllm" and lo.sync == "adapter"
-    need(not (adapters and config.pipeline.mode != "sync"), "lora.sync",
-         f"pipeline.mode={config.pipeline.mode!r} pushes weights to a rollout pool, and "
-         f"pushing the adapters alone is not built yet; set lora.sync=merged (the pool is "
-         f"then sent the merged weights, fingerprint-checked)")
+    need(not adapters or lo.rank <= MAX_LORA_RANKS[-1], "lora.rank",
+         f"vLLM serves adapters of rank <= {MAX_LORA_RANKS[-1]}, got {lo.rank}; lower it or "
+         f"set lora.sync=merged (vLLM is then sent the merged weights)")
 
 
 def _placement(config: PPOConfig) -> None:
