@@ -70,6 +70,8 @@ def test_the_config_checks_each_field() -> None:
         for sync in ("adapter", "merged"):
             assert with_overrides(preset("tiny-grpo"), [*vllm, f"pipeline.mode={mode}",
                                                         f"lora.sync={sync}"]).lora.enabled
+    with pytest.raises(ValueError, match=r"lora.rank.*rank <= 512, got 600.*lora.sync=merged"):
+        with_overrides(preset("tiny-grpo"), [*vllm, "lora.rank=600"])
 
 
 def test_adapters_start_as_the_base_train_alone_and_switch_off_for_the_reference() -> None:

@@ -72,6 +72,11 @@ class LoraConfig:
         return self.rank > 0
 
     @property
+    def vllm_max_rank(self) -> int:
+        """The largest rank vLLM serves as an adapter (`MAX_LORA_RANKS`)."""
+        return MAX_LORA_RANKS[-1]
+
+    @property
     def targets(self) -> str | list[str]:
         """`target_modules` as PEFT takes it: "all-linear" or a list of names."""
         if self.target_modules == "all-linear":

@@ -80,11 +80,9 @@ def _algo(config: PPOConfig) -> None:
 
 def _lora(config: PPOConfig) -> None:
     lo = config.lora
-    from avrid.ppo.setup.lora import MAX_LORA_RANKS  # here: setup/lora.py imports this file
-
     adapters = lo.enabled and config.rollout.engine == "vllm" and lo.sync == "adapter"
-    need(not adapters or lo.rank <= MAX_LORA_RANKS[-1], "lora.rank",
-         f"vLLM serves adapters of rank <= {MAX_LORA_RANKS[-1]}, got {lo.rank}; lower it or "
+    need(not adapters or lo.rank <= lo.vllm_max_rank, "lora.rank",
+         f"vLLM serves adapters of rank <= {lo.vllm_max_rank}, got {lo.rank}; lower it or "
          f"set lora.sync=merged (vLLM is then sent the merged weights)")
 
 
