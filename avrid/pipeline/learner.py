@@ -14,7 +14,8 @@ and its weight sync is replaced by a push to the rollout pool (`transfer.py`):
                       own shards' partial fingerprints for the driver's check, without
                       waiting for the rollout ranks to receive: the broadcasts finish while
                       the trainer trains, and rank 0 checks that they did at the next push
-                      (or at close), against the push timeout
+                      (or at close), against the push timeout; with LoRA served as
+                      adapters (`lora.sync=adapter`, vLLM) the adapters alone, by PEFT key
 
 Not here: when to push (the driver) or how a rollout rank receives (`rollout.py`).
 """

@@ -9,7 +9,9 @@ things, never at the same time:
                      stamped with the scalar "version": the weights it was generated with
     receive_weights  take the trainer's weights (one broadcast per bucket in the push group,
                      `transfer.py`), load them into the engine and report the engine's
-                     fingerprints and new version
+                     fingerprints and new version; with LoRA served as adapters
+                     (`lora.sync=adapter`, vLLM) the push carries the adapters alone, over the
+                     base the worker loaded itself at setup (`adapter_sync.load_base`)
 
 The engine has its GPU to itself (`build_engine(..., colocated=False)`): it never sleeps, so
 nothing wakes it before a load or a generation, and the model it is built from stays on the
