@@ -182,3 +182,33 @@ def test_a_bf16_engine_with_some_modules_adapted_holds_exactly_what_the_check_ex
             sync.run(adapted, stale, version=3)
     finally:
         eng.close()
+
+
+@pytest.mark.gpu(duration_s=120)
+def test_on_cuda_a_level_one_sleep_keeps_the_base_and_the_next_adapter_serves(
+        tmp_path: Path) -> None:
+    """The hand-over an adapter-serving engine makes on a GPU (`handoff.to_trainer(...,
+    keep_weights=True)`): level 1 offloads the base to host memory and brings it back on
+    waking, so the next sync sends the adapter alone and the engine serves what it did."""
+    from avrid.ppo.engines.vllm_engine import VllmEngine
+    from avrid.ppo.roles import handoff
+
+    base, adapted = adapted_policy(seed=5)
+    base.save_pretrained(tmp_path / "base")
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    eng = VllmEngine(str(tmp_path / "base"), max_model_len=128, seed=0, dtype="float32",
+                     lora_rank=8, gpu_memory_utilization=0.25)
+    try:
+        assert eng.enable_sleep_mode
+        sync = AdapterSync(adapted, rank=0, engine_dtype=F32)
+        sync.run(adapted, eng, version=1)
+        before = [c.token_ids for c in eng.generate(PROMPTS, greedy)]
+        free_awake, _ = torch.cuda.mem_get_info()
+        handoff.to_trainer(eng, keep_weights=True)
+        assert torch.cuda.mem_get_info()[0] > free_awake  # the GPU went to the trainer
+        handoff.wake_for_load(eng, "cuda")
+        sync.run(adapted, eng, version=2)  # the adapter alone, checked by read-back
+        handoff.wake_for_generate(eng, "cuda")
+        assert [c.token_ids for c in eng.generate(PROMPTS, greedy)] == before
+    finally:
+        eng.close()
