@@ -45,7 +45,7 @@ settings.register_profile("avrid", deadline=None, max_examples=50)
 settings.load_profile("avrid")
 
 RAY_CPUS = 16  # logical scheduling slots, not cores: enough for 2 roles x 8 workers
-CHAPTERS = range(1, 7)  # the chapters that have a layer (and tests) so far
+CHAPTERS = range(1, 8)  # the chapters that have a layer (and tests) so far (7: being built)
 _CHAPTER_LINE = re.compile(r"\s*Chapter (\d+)\b")
 
 
