@@ -27,7 +27,7 @@ import torch
 from avrid.dispatch import Batch
 from avrid.pipeline.overlap import overlap_fraction
 from avrid.ppo.algo.off_policy import importance_weights, weight_stats
-from avrid.ppo.data.columns import padded, response_mask
+from avrid.ppo.data.columns import action_mask, padded
 from avrid.ppo.setup.config import PipelineConfig
 from avrid.reshard import TransferPlan
 from avrid.results import (
@@ -50,8 +50,10 @@ def staleness(batch: Batch, version: int) -> dict[str, float]:
 
 
 def off_policy(batch: Batch, config: PipelineConfig) -> dict[str, float]:
-    """The importance weights' statistics (`weight_stats`) of a scored batch."""
-    mask = response_mask(batch)
+    """The importance weights' statistics (`weight_stats`) of a scored batch, over its action
+    tokens (`columns.action_mask`): an observation token of a multi-turn response (chapter 7)
+    has no behaviour log-prob (its rollout_logp is 0), so no ratio."""
+    mask = action_mask(batch)
     # With no correction the weights are 1, but the ratios still say how off-policy the
     # batch is: report them (and how many exceed the cap) as truncated IS would see them.
     correction = config.applied_correction

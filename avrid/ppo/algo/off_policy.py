@@ -43,6 +43,9 @@ What this file is not: it does not compute the PPO loss (`losses.policy_loss` do
 multiplies its `per_token` by `weights`, then reduces with `losses.token_weights` as before),
 and it knows nothing of versions, queues or engines. Conventions are those of `losses.py`:
 right-padded (B, T) tensors, a `mask` of valid tokens, float32 math, padding never read.
+In a multi-turn batch (chapter 7) callers pass the ACTION mask (`columns.action_mask`): an
+observation token has no behaviour log-prob (rollout_logp 0), so it must get no ratio, no
+weight and no place in `weight_stats`, exactly like padding. The mask need not be a prefix.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ two conversions every worker needs:
   ``P + j - 1``. Two layouts: `packed_inputs`, one row of the real tokens (no padding: the
   position ids restarting at 0 mark the sequences), and `padded_inputs`, right-padded
   (n, longest); `memory.pack_sequences` picks the one training runs (packed by default);
-- `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T).
+- `padded(batch, column)` / `response_mask`: a packed per-response-token column as (n, T);
+- `action_mask`: which response tokens the policy generated (chapter 7's multi-turn
+  trajectories interleave them with observation tokens an environment returned): the mask
+  every loss, advantage and per-token metric uses. `response_mask` stays the real response
+  tokens (a prefix mask: re-packing with `packed` and the estimators' padding rely on it).
 
 Every tensor made here is made on the batch's own device: a worker moves its micro-batch to
 its model's device (`Batch.to`), and its inputs, masks and padded columns are then there too.
@@ -49,6 +53,10 @@ class ModelInputs:
     """(n, T) int64 response tokens, right-padded with `pad_id`."""
     response_mask: torch.Tensor
     """(n, T) float32, 1 on real response tokens."""
+    action_mask: torch.Tensor
+    """(n, T) float32, 1 on the response tokens the policy generated (`action_mask`): what
+    the losses and their metrics weight. `response_mask` itself when the batch has no
+    "action_mask" column (every response token is the policy's)."""
 
 
 def model_inputs(batch: Batch, pad_id: int, *, packed: bool = True) -> ModelInputs:
@@ -96,7 +104,8 @@ def packed_inputs(batch: Batch, pad_id: int) -> ModelInputs:
     response_ids = torch.where(resp_mask.bool(), input_ids[logit_index + 1], pad_id)
     return ModelInputs(input_ids=input_ids[None], attention_mask=torch.ones_like(input_ids)[None],
                        position_ids=position_ids[None], logit_index=logit_index,
-                       response_ids=response_ids, response_mask=resp_mask)
+                       response_ids=response_ids, response_mask=resp_mask,
+                       action_mask=action_mask(batch))
 
 
 def padded_inputs(batch: Batch, pad_id: int) -> ModelInputs:
@@ -125,7 +134,7 @@ def padded_inputs(batch: Batch, pad_id: int) -> ModelInputs:
     response_ids = torch.where(resp_mask.bool(), input_ids.gather(1, logit_index + 1), pad_id)
     return ModelInputs(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
                        logit_index=logit_index, response_ids=response_ids,
-                       response_mask=resp_mask)
+                       response_mask=resp_mask, action_mask=action_mask(batch))
 
 
 def response_mask(batch: Batch) -> torch.Tensor:
@@ -133,6 +142,50 @@ def response_mask(batch: Batch) -> torch.Tensor:
     width = int(batch.response_lens.max()) if len(batch) else 0
     lens = batch.response_lens
     return (torch.arange(width, device=lens.device) < lens[:, None]).float()
+
+
+ACTION_MASK = "action_mask"
+"""The optional packed per-response-token column (int or float, values 0/1, one per response
+token like "rollout_logp"): 1 on a token the policy generated, 0 on an observation token (a
+tool's or an environment's output inside a multi-turn response, chapter 7). The trainer
+trains on the exact ids of the whole response, but only the policy's own tokens are actions:
+losses, advantages, `Totals` and per-token metrics cover those. An observation token carries
+rollout_logp 0 (no behaviour log-prob). A batch without the column trains every response
+token, exactly as before the column existed."""
+
+OPTIONAL_READS = (ACTION_MASK,)
+"""Columns every trainer call reads when the batch has them (`reads`)."""
+
+
+def action_mask(batch: Batch) -> torch.Tensor:
+    """(n, T) float32: 1 where row i's j-th response token is an action (the policy's own),
+    i.e. `response_mask` times the batch's "action_mask" column; `response_mask` itself
+    without the column. Unlike `response_mask` it need not be a prefix: [a a o o a] is
+    [1, 1, 0, 0, 1].
+
+    Example:
+        >>> b = Batch.from_rows(sample_ids=[0], prompt_lens=[1], response_lens=[3],
+        ...     packed={"tokens": [torch.tensor([5, 6, 7, 8])],
+        ...             "action_mask": [torch.tensor([1, 0, 1])]})
+        >>> action_mask(b).tolist()
+        [[1.0, 0.0, 1.0]]
+    """
+    mask = response_mask(batch)
+    if ACTION_MASK not in batch.packed:
+        return mask
+    column = padded(batch, ACTION_MASK)
+    if not bool(((column == 0) | (column == 1)).all()):
+        raise ValueError(f"column {ACTION_MASK!r} must hold only 0 (observation token) and 1 "
+                         f"(policy token); got values {sorted(set(column.unique().tolist()))}")
+    return mask * column
+
+
+def reads(batch: Batch, names: tuple[str, ...]) -> Batch:
+    """`batch.only(*names)` plus the `OPTIONAL_READS` the batch has: what the driver sends a
+    call whose role reads `names` (its ``*_READS``). A batch without "action_mask" sends
+    exactly `names`; one with it sends it along, so every worker masks the same tokens."""
+    return batch.only(*names, *(c for c in OPTIONAL_READS
+                                if c in batch.packed and c not in names))
 
 
 def padded(batch: Batch, column: str, fill: float = 0.0) -> torch.Tensor:
@@ -199,18 +252,25 @@ class Totals:
     """Global counts of one mini-batch (all ranks), the denominators of its loss."""
 
     tokens: int
-    """Valid response tokens in the mini-batch."""
+    """Action tokens (`action_mask`: every valid response token without the column) of the
+    samples that train."""
     seqs: int
-    """Sequences in the mini-batch."""
+    """Sequences in the mini-batch that train (with an "action_mask" column: those with at
+    least one action token; a row without any has no loss to give)."""
     norm_len: int
     """The longest allowed response (Dr.GRPO's constant for seq-mean-token-sum-norm)."""
 
     @classmethod
     def of(cls, batch: Batch, norm_len: int) -> Totals:
         """Count `batch` (the whole mini-batch, on the driver), leaving out the samples that
-        `sample_loss_mask` excludes: the loss is the mean over the samples that train."""
-        lens = batch.response_lens[sample_loss_mask(batch) != 0]
-        return cls(tokens=int(lens.sum()), seqs=len(lens), norm_len=norm_len)
+        `sample_loss_mask` excludes: the loss is the mean over the samples that train. With an
+        "action_mask" column only action tokens count (observation tokens weigh nothing)."""
+        keep = sample_loss_mask(batch) != 0
+        if ACTION_MASK not in batch.packed:
+            lens = batch.response_lens[keep]
+            return cls(tokens=int(lens.sum()), seqs=len(lens), norm_len=norm_len)
+        actions = action_mask(batch).sum(1)[keep]
+        return cls(tokens=int(actions.sum()), seqs=int((actions > 0).sum()), norm_len=norm_len)
 
 
 def sample_loss_mask(batch: Batch) -> torch.Tensor:

@@ -7,6 +7,14 @@ estimator `algo.name` names (`algo/registry.py`), always through the same `Advan
 `shaped_scores` is shared with dynamic sampling (`dynamic_sampling.py`), which must filter on
 the scores that will actually train.
 
+With an "action_mask" column (chapter 7: a multi-turn response interleaves the policy's tokens
+with observation tokens) the estimator runs on a COMPRESSED view (`ActionView`): per row only
+its action tokens, right-padded, so every estimator, a user's included, sees the prefix mask
+it always does. The score lands at the row's last action token, GAE's next value after an
+action is the value at the NEXT ACTION token (verl's multi-turn GAE: an observation is not a
+step of the policy), and the advantages and returns come back at the action positions, 0 on
+observation tokens.
+
 Not here: the estimators' formulas (`algo/`), the reward itself (`roles/reward.py`).
 """
 
@@ -19,13 +27,23 @@ from avrid.ppo.algo.advantages import kl_penalized_rewards
 from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.algo.registry import AdvantageInputs, estimate
 from avrid.ppo.algo.shaping import overlong_penalty
-from avrid.ppo.data.columns import add_columns, packed, padded, response_mask
+from avrid.ppo.data.columns import (
+    ACTION_MASK,
+    action_mask,
+    add_columns,
+    packed,
+    padded,
+    response_mask,
+)
 from avrid.ppo.setup.config import PPOConfig
 
 
 def shaped_scores(batch: Batch, config: PPOConfig, max_response: int | None) -> torch.Tensor:
     """(n,) float32: the task's scores with `algo.truncation`'s penalty and DAPO's overlong
-    penalty applied (`algo/shaping.py`; it needs `max_response`, the response budget)."""
+    penalty applied (`algo/shaping.py`; it needs `max_response`, the response budget).
+    The overlong penalty reads `response_lens`, every response token (observation tokens
+    included): it is about the length of the whole trajectory, which is what the budget
+    bounds."""
     a = config.algo
     scores = batch.scalars["score"].float()
     if a.truncation == "penalty":
@@ -58,26 +76,71 @@ def compute_advantages(batch: Batch, config: PPOConfig, *,
     `algo.overlong_buffer` > 0 adds DAPO's soft overlong penalty (needs `max_response`).
     Adds packed "advantages" (and "returns" when the estimator gives value targets: PPO's)
     and the scalar "loss_mask" (1 = the sample trains; read by `columns.sample_loss_mask`).
+    With an "action_mask" column the estimator sees the action tokens only (`ActionView`;
+    the KL, the values and the score's place are taken there) and observation tokens get
+    advantage and return 0; a row without any action token gets 0 everywhere.
     """
     a = config.algo
     mask = response_mask(batch)
+    view = ActionView(action_mask(batch)) if ACTION_MASK in batch.packed else None
+    at = view.compress if view is not None else (lambda t: t)
+    actions = view.mask if view is not None else mask
     scores = shaped_scores(batch, config, max_response)
     cut = truncated(batch, a.truncation)
     kept = {"loss_mask": 1.0 - cut if a.truncation == "mask" else torch.ones_like(scores)}
-    kl = torch.zeros_like(mask)
+    kl = torch.zeros_like(actions)
     if a.kl_coef > 0 and a.kl_in == "reward":
-        kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), a.kl_kind) * mask
-    token_rewards = kl_penalized_rewards(scores, kl, mask, kl_coef=a.kl_coef)
+        kl = kl_estimate(at(padded(batch, "old_logp")), at(padded(batch, "ref_logp")),
+                         a.kl_kind) * actions
+    token_rewards = kl_penalized_rewards(scores, kl, actions, kl_coef=a.kl_coef)
     inputs = AdvantageInputs(
         # A KL in the reward lowers each response's outcome score by its summed KL.
         scores=scores - a.kl_coef * kl.sum(1), token_rewards=token_rewards,
-        group_ids=batch.scalars["group"], mask=mask,
-        values=padded(batch, "values") if a.uses_critic else None, algo=a)
+        group_ids=batch.scalars["group"], mask=actions,
+        values=at(padded(batch, "values")) if a.uses_critic else None, algo=a)
     out = estimate(a.name, inputs)  # `algo/registry.py`: the estimator, its output checked
-    columns = {"advantages": packed(out.advantages.detach().float(), mask)}
+    back = view.expand if view is not None else (lambda t: t)
+    columns = {"advantages": packed(back(out.advantages.detach().float()), mask)}
     if out.returns is not None:
-        columns["returns"] = packed(out.returns.detach().float(), mask)
+        columns["returns"] = packed(back(out.returns.detach().float()), mask)
     return add_columns(batch, packed=columns, scalars=kept)
+
+
+class ActionView:
+    """The action tokens of (n, T) response tensors, compressed to the left of each row.
+
+    Row i's k-th action token (the k-th 1 of `actions[i]`) sits at column k of the compressed
+    (n, K) tensors, K = the most action tokens of any row; the rest is right padding, so
+    `mask` is a prefix mask, what the estimators expect. `expand` puts compressed values back
+    at their response positions, 0 on observation tokens and padding.
+
+    Example (one row [a a o o a]):
+        >>> v = ActionView(torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]]))
+        >>> v.compress(torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])).tolist(), v.mask.tolist()
+        ([[1.0, 2.0, 5.0]], [[1.0, 1.0, 1.0]])
+        >>> v.expand(torch.tensor([[7.0, 8.0, 9.0]])).tolist()
+        [[7.0, 8.0, 0.0, 0.0, 9.0]]
+    """
+
+    def __init__(self, actions: torch.Tensor) -> None:
+        self.actions = actions.bool()
+        counts = self.actions.sum(1)
+        width = int(counts.max()) if len(counts) else 0
+        self.mask = (torch.arange(width, device=actions.device) < counts[:, None]).float()
+        """(n, K) float32 prefix mask of the compressed rows."""
+
+    def compress(self, full: torch.Tensor) -> torch.Tensor:
+        """(n, T) -> (n, K): each row's values at its action tokens, in order, then 0."""
+        out = torch.zeros(self.mask.shape, dtype=full.dtype, device=full.device)
+        # Both boolean selections walk row-major: the k-th action of row i meets column k.
+        out[self.mask.bool()] = full[self.actions]
+        return out
+
+    def expand(self, compressed: torch.Tensor) -> torch.Tensor:
+        """(n, K) -> (n, T): the inverse of `compress`, 0 off the action tokens."""
+        out = torch.zeros(self.actions.shape, dtype=compressed.dtype, device=compressed.device)
+        out[self.actions] = compressed[self.mask.bool()]
+        return out
 
 
 def truncated(batch: Batch, choice: str) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from avrid.dispatch import Batch, DispatchConfig
 from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.algo.registry import resolve_estimator, resolve_policy_loss
-from avrid.ppo.data.columns import Totals, add_columns, padded, response_mask, with_responses
+from avrid.ppo.data.columns import Totals, action_mask, add_columns, padded, reads, with_responses
 from avrid.ppo.data.credit import compute_advantages, shaped_scores
 from avrid.ppo.data.dynamic_sampling import FillStats, fill_groups, round_prompts, round_seed
 from avrid.ppo.data.prompts import (
@@ -275,18 +275,18 @@ class Trainer:
             self.fill_stats = fill
         with phases("old_logp"):
             old = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs,
-                                        batch.only(*LOGPROBS_READS), self.dispatch))
+                                        reads(batch, LOGPROBS_READS), self.dispatch))
             batch = add_columns(batch, packed={"old_logp": old.batch.packed["old_logp"]})
         if a.kl_coef > 0:
             with phases("ref_logp"):
                 ref = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs,
-                                            batch.only(*LOGPROBS_READS), self.dispatch,
+                                            reads(batch, LOGPROBS_READS), self.dispatch,
                                             reference=True))
                 batch = add_columns(batch, packed={"ref_logp": ref.batch.packed["ref_logp"]})
         if self.critic is not None:
             with phases("values"):
                 val = phases.add(run_shards(self.critic, CriticWorker.compute_values,
-                                            batch.only(*VALUES_READS), self.dispatch))
+                                            reads(batch, VALUES_READS), self.dispatch))
                 batch = add_columns(batch, packed={"values": val.batch.packed["values"]})
         with phases("advantages"):
             batch = compute_advantages(batch, cfg, max_response=self.max_response)
@@ -294,11 +294,11 @@ class Trainer:
         if self.critic is not None:
             with phases("critic_update"):
                 updates += self._update(self.critic, CriticWorker.update,
-                                        batch.only(*CRITIC_UPDATE_READS), step, phases)
+                                        reads(batch, CRITIC_UPDATE_READS), step, phases)
         if self.updates_actor(step):
             with phases("actor_update"):
                 updates += self._update(self.policy, PolicyWorker.update,
-                                        batch.only(*actor_update_reads(cfg)), step, phases)
+                                        reads(batch, actor_update_reads(cfg)), step, phases)
         return batch, [*done, old, *updates]
 
     def score(self, batch: Batch) -> tuple[Batch, Merged]:
@@ -350,7 +350,7 @@ class Trainer:
         # Means over mini-batches, except counts of skipped (non-finite) optimizer steps.
         out = {k: sum(v) if k.endswith("/skipped_steps") else sum(v) / len(v)
                for k, v in sums.items()}
-        mask = response_mask(batch).bool()
+        mask = action_mask(batch).bool()  # observation tokens have no rollout_logp (chapter 7)
         gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
         out["train/reward"] = float(batch.scalars["score"].mean())
         if self.config.algo.dynamic_sampling:

@@ -29,10 +29,12 @@ from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
 VALUES_READS = ("tokens",)
-"""The batch columns `CriticWorker.compute_values` reads (the driver sends only these)."""
+"""The batch columns `CriticWorker.compute_values` reads (the driver sends only these, plus
+"action_mask" when the batch has it: `columns.reads`)."""
 CRITIC_UPDATE_READS = ("tokens", "loss_mask", "values", "returns")
 """The batch columns `CriticWorker.update` reads: the clipped value loss against the old
-values and the returns, over the samples whose loss_mask is 1."""
+values and the returns, over the samples whose loss_mask is 1 (and their action tokens:
+"action_mask", sent when the batch has it, `columns.reads`)."""
 
 
 class CriticWorker(TrainedWorker):
@@ -68,7 +70,7 @@ class CriticWorker(TrainedWorker):
                                      packed=self.config.memory.pack_sequences)
                     values = response_values(self.model, x)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={"values": values})
-                builder.metric("critic/values", values[x.response_mask.bool()], "mean_tokens")
+                builder.metric("critic/values", values[x.action_mask.bool()], "mean_tokens")
         return builder.build()
 
     def update(self, shard: Shard, *, totals: Totals, step: int) -> WorkerResult:
@@ -83,9 +85,10 @@ class CriticWorker(TrainedWorker):
             returns = padded(mb, "returns")
             # norm_len: seq-mean-token-sum-norm needs it (the weights `w` carry the same
             # aggregation over the whole mini-batch; value_loss checks its arguments alike).
-            out = value_loss(values, padded(mb, "values"), returns, x.response_mask,
+            # Observation tokens (chapter 7) are no state of the policy's: not in the loss.
+            out = value_loss(values, padded(mb, "values"), returns, x.action_mask,
                              clip=a.value_clip)
-            valid = x.response_mask.bool()
+            valid = x.action_mask.bool()
             b.metric("critic/vf_clipfrac", out.clipped[valid].float(), "mean_tokens")
             b.metric("critic/vf_error", (values.detach() - returns)[valid] ** 2, "mean_tokens")
             return (out.per_token * w).sum()

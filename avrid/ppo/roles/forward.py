@@ -190,8 +190,9 @@ def train_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
             # The loss reads the micro-batch's columns (`padded`) where the model is.
             on_device = mb.to(device)
             x = model_inputs(on_device, pad_id, packed=packed)
-            # A left-out sample's tokens weigh 0 (and `Totals` did not count them).
-            mask = x.response_mask * sample_loss_mask(on_device)[:, None]
+            # A left-out sample's tokens weigh 0 (and `Totals` did not count them), and so
+            # do observation tokens (`columns.action_mask`: chapter 7's multi-turn responses).
+            mask = x.action_mask * sample_loss_mask(on_device)[:, None]
             # The WHOLE mini-batch's counts (`losses.token_weights`), so the sum over
             # micro-batches and ranks is the mini-batch's loss. FSDP averages gradients over
             # ranks: times world_size turns that average back into the sum.

@@ -53,13 +53,15 @@ from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
 LOGPROBS_READS = ("tokens",)
-"""The batch columns `PolicyWorker.compute_logprobs` reads (the driver sends only these)."""
+"""The batch columns `PolicyWorker.compute_logprobs` reads (the driver sends only these, plus
+"action_mask" when the batch has it: `columns.reads`; the entropy metric covers actions)."""
 
 
 def actor_update_reads(config: PPOConfig) -> tuple[str, ...]:
     """The batch columns `PolicyWorker.update` reads under `config` (the driver sends only
     these): the PPO loss's, the rollout's log-probs when an off-policy correction applies
-    (chapter 6), the reference's when the KL is in the loss."""
+    (chapter 6), the reference's when the KL is in the loss. The driver adds "action_mask"
+    when the batch has it (`columns.reads`): the loss then covers the action tokens only."""
     a = config.algo
     reads = ("tokens", "loss_mask", "old_logp", "advantages")
     if config.pipeline.applied_correction != "none":
@@ -233,7 +235,7 @@ class PolicyWorker(TrainedWorker):
                                                   chunk=self.config.memory.logprob_chunk)
                 builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
                 if ent is not None:
-                    builder.metric("actor/entropy", ent[x.response_mask.bool()], "mean_tokens")
+                    builder.metric("actor/entropy", ent[x.action_mask.bool()], "mean_tokens")
         if reference and not base:  # no backward reshards its root (embedding, head): free them
             fsdp.reshard(model)
         return builder.build()
@@ -254,7 +256,9 @@ class PolicyWorker(TrainedWorker):
             logp, ent = response_logprobs(self.model, x, self.config.rollout.temperature,
                                           with_entropy=need_entropy,
                                           chunk=self.config.memory.logprob_chunk)
-            mask = x.response_mask
+            # The policy's own tokens: an observation token (chapter 7) is treated as padding
+            # by the loss, the off-policy weights and every metric (its rollout_logp is 0).
+            mask = x.action_mask
             out = compute_policy_loss(loss_of, a.policy_loss, PolicyLossInputs(
                 logp=logp, old_logp=padded(mb, "old_logp"), advantages=padded(mb, "advantages"),
                 mask=mask, algo=a))
