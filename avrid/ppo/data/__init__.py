@@ -6,8 +6,9 @@ Read in this order:
                step k reads: a function of the step, so resume is exact), `prompt_batch`,
                `mini_batches`
 2. columns.py  the PPO batch's columns: `with_responses`, `add_columns`, the packed <->
-               padded views every phase reads (`padded`, `packed`, `response_mask`), the
-               model's inputs, and `Totals` (the loss's global denominators)
+               padded views every phase reads (`padded`, `packed`, `response_mask`,
+               `action_mask`: chapter 7's policy tokens), the model's inputs, and `Totals`
+               (the loss's global denominators)
 3. credit.py   `compute_advantages`: shaped scores and token rewards, handed to the
                estimator `algo.name` names (`algo/registry.py`)
 4. dynamic_sampling.py  DAPO's dynamic sampling: drop all-alike groups, draw more rounds
