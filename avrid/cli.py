@@ -202,7 +202,7 @@ def _need_ppo_extra(command: str) -> None:
 def _ppo(args: argparse.Namespace) -> None:
     """Build the config from preset or file, flags, then --set (validated once); train."""
     _need_ppo_extra("avrid ppo")
-    from avrid.pipeline import train
+    from avrid.agents import train
     from avrid.ppo.driver.stopping import StopSignals
     from avrid.ppo.setup.config_file import dump_config
     from avrid.ppo.setup.field_help import help_config

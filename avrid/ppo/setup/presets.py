@@ -96,6 +96,17 @@ def tiny_ppo_vllm() -> PPOConfig:
         train=dataclasses.replace(base.train, steps=100, out_dir="runs/tiny_ppo_vllm"))
 
 
+def tiny_agent() -> PPOConfig:
+    """Chapter 7's laptop run: the tiny model learns to multiply with a calculator tool over
+    multi-turn episodes ("48*7=" -> "[48*7]" -> "336;" -> "336"; `avrid.agents.calc`), GRPO
+    with `tiny_grpo`'s settings, scored on 30 held-out products it never trains on."""
+    base = tiny_grpo()
+    return dataclasses.replace(
+        base, task=TaskConfig(name="avrid.agents.calc:make_task",
+                              options={"digits": 2, "num_val": 30}),
+        train=dataclasses.replace(base.train, steps=150, out_dir="runs/tiny_agent"))
+
+
 def small_cpu() -> PPOConfig:
     """A CPU run where model compute dominates a step (for `benchmarks/bench_ppo.py`)."""
     return PPOConfig(
@@ -158,6 +169,7 @@ PRESETS: dict[str, Callable[[], PPOConfig]] = {
     "tiny-grpo": tiny_grpo,
     "tiny-ppo-lora": tiny_ppo_lora,
     "tiny-ppo-vllm": tiny_ppo_vllm,
+    "tiny-agent": tiny_agent,
     "small-cpu": small_cpu,
     "pipeline-cpu": pipeline_cpu,
     "qwen-gsm8k": qwen_gsm8k,

@@ -20,6 +20,8 @@ from avrid.ppo.setup.validate import finite, need, one_of, positive
 
 Engine = Literal["torch", "vllm"]
 SeedMode = Literal["request", "batch"]
+AgentSchedule = Literal["per_trajectory", "turn_sync"]
+"""How chapter 7's multi-turn episodes share the engine (see `RolloutConfig.agent_schedule`)."""
 """How a vLLM engine's sampling is seeded (see `RolloutConfig.seed_mode`)."""
 
 COLOCATED_GPU_SHARE = 0.4
@@ -68,6 +70,11 @@ class RolloutConfig:
     torch.Generator per request); "batch" seeds the engine's sampler once per generate call
     (one draw for the whole batch: faster; a response then also depends on the rest of the
     batch). Both: same seed, same samples; identical prompts get different samples."""
+    agent_schedule: AgentSchedule = "per_trajectory"
+    """Multi-turn tasks (chapter 7): "per_trajectory" sends an episode back to the engine the
+    moment its observation arrives (the engine works while other episodes' tools run);
+    "turn_sync" waits for every episode's observation before the next turn (reproducible
+    call by call, but the engine idles on the slowest tool)."""
     tensor_parallel_size: int = 1
     """vLLM: GPUs one engine spans. Only 1 for now: an engine over several GPUs needs its
     tensor-parallel groups cut from the trainer's torch.distributed world (vLLM's
@@ -88,6 +95,7 @@ class RolloutConfig:
         need(self.vllm_kv_cache_mib is None or self.vllm_kv_cache_mib >= 1,
              "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
         one_of("rollout.seed_mode", self.seed_mode, SeedMode, "seed mode")
+        one_of("rollout.agent_schedule", self.agent_schedule, AgentSchedule, "schedule")
 
 
 def gpu_memory_share(rollout: RolloutConfig, *, colocated: bool) -> float:
