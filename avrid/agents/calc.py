@@ -9,8 +9,14 @@ ones it never trains on), but it can learn to ask: an episode is
     turn 2      "336<eos>"     the policy answers; the episode ends, scored
 
 The reward is chapter 5's digit credit of the final answer (the share of its digits in the
-right place), plus `call_bonus` when the episode made a well-formed call to the calculator
-with the prompt's own expression (0 by default; the preset says what it uses and why). A
+right place). With `call_weight` w > 0 it is shaped towards the tool: (1 - w) x that credit
++ w x the first call's credit (the share of the prompt's expression it holds in the right
+place; 0 without a call), so a right answer through a right call still scores 1. A model
+that has never called the tool cannot find out that it helps from the answer alone (a
+random call's result is a random number); the preset says what it uses. `hint` ends the
+prompt with "[": the prompt opens the first call, as a tool-use instruction would for a
+model that reads instructions (the tiny random one does not), and the policy writes the
+rest of it. A
 turn without a call is the final answer; a call that fails (not arithmetic) is answered
 "=;" (no value: the tool's message is not in the task's alphabet), and the episode goes on.
 
@@ -36,22 +42,27 @@ class CalcEnv:
     """One episode of `CalcTask` (see the module docstring)."""
 
     prompt: Prompt
-    call_bonus: float = 0.0
-    _called: list[bool] = field(default_factory=list)  # whether the right call was made
+    call_weight: float = 0.0
+    hint: bool = False
+    _turns: list[str] = field(default_factory=list)  # the policy's turns so far
+    _calls: list[str] = field(default_factory=list)  # the calls made so far
 
     def reset(self) -> str:
         return self.prompt.text
 
     def step(self, action_ids: Sequence[int], action_text: str) -> StepResult:
-        call = parse_call(action_text)
+        self._turns.append(action_text)
+        # With the hint the prompt opened the first call: the turn holds the rest of it.
+        opened = "[" if self.hint and len(self._turns) == 1 else ""
+        call = parse_call(opened + action_text)
         if call is None:  # the final answer
-            answer = self.prompt.answer
-            credit = sum(a == r for a, r in zip(answer, action_text, strict=False)) / len(answer)
-            bonus = self.call_bonus if self._called else 0.0
-            return StepResult(observation="", reward=credit + bonus, done=True)
+            answer = _credit(self.prompt.answer, action_text)
+            tool = _credit(self.prompt.text.split("=")[0], self._calls[0]) \
+                if self._calls else 0.0
+            w = self.call_weight
+            return StepResult(observation="", reward=(1 - w) * answer + w * tool, done=True)
+        self._calls.append(call)
         result = calculator(call)
-        if call == self.prompt.text.removesuffix("="):
-            self._called.append(True)
         # The tool's error message is not in this task's alphabet: "=" stands for "no value".
         text = result.output if result.status == "ok" else "="
         return StepResult(observation=text + ";", tool_calls=1,
@@ -62,13 +73,14 @@ class CalcEnv:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CalcTask:
     """Products of a `digits`-digit number and a one-digit number; the validation products
-    are never trained on. `max_turns` and `call_bonus` as in the module docstring."""
+    are never trained on. `max_turns` and `call_weight` as in the module docstring."""
 
     digits: int = 2
     num_val: int = 30
     seed: int = 0
     max_turns: int = 3
-    call_bonus: float = 0.0
+    call_weight: float = 0.0
+    hint: bool = False
     name: str = "calc"
     alphabet: str = ALPHABET
     turn_stops: str = "]"
@@ -76,6 +88,8 @@ class CalcTask:
     def __post_init__(self) -> None:
         if not 1 <= self.digits <= 4:
             raise ValueError(f"calc: digits must be 1..4, got {self.digits!r}")
+        if not 0.0 <= self.call_weight < 1.0:
+            raise ValueError(f"calc: call_weight must be in [0, 1), got {self.call_weight!r}")
         if not 1 <= self.num_val < len(self._pairs()) // 2:
             raise ValueError(f"calc: num_val must be 1..{len(self._pairs()) // 2 - 1}, got "
                              f"{self.num_val!r}")
@@ -99,7 +113,8 @@ class CalcTask:
         return pairs
 
     def _prompts(self, pairs: list[tuple[int, int]]) -> list[Prompt]:
-        return [Prompt(index=i, text=f"{a}*{b}=", answer=str(a * b))
+        opened = "[" if self.hint else ""  # the hint: the prompt opens the first call
+        return [Prompt(index=i, text=f"{a}*{b}={opened}", answer=str(a * b))
                 for i, (a, b) in enumerate(pairs)]
 
     def train_prompts(self) -> list[Prompt]:
@@ -113,7 +128,13 @@ class CalcTask:
                                   "(CalcEnv.step), run it with avrid.agents")
 
     def make_env(self, prompt: Prompt) -> CalcEnv:
-        return CalcEnv(prompt=prompt, call_bonus=self.call_bonus)
+        return CalcEnv(prompt=prompt, call_weight=self.call_weight, hint=self.hint)
+
+
+def _credit(expected: str, got: str) -> float:
+    """The share of `expected`'s characters that `got` has in the same place (chapter 5's
+    digit credit)."""
+    return sum(a == b for a, b in zip(expected, got, strict=False)) / len(expected)
 
 
 def make_task(**options: object) -> CalcTask:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from avrid.agents.env import AgentTask, EpisodeLimits
-from avrid.agents.episodes import LoopStats, Schedule, WeightSource, run_episodes
+from avrid.agents.episodes import FixedVersion, LoopStats, Schedule, WeightSource, run_episodes
 from avrid.agents.trajectory import Trajectory, trajectory_columns
 from avrid.dispatch import Shard
 from avrid.ppo.engines.torch_engine import SamplingParams
@@ -76,6 +76,15 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
             engine, [task.make_env(p) for p in prompts], tokenizer=tokenizer, limits=limits,
             params=params, prompts=prompts, schedule=schedule, segment_tokens=segment_tokens,
             weights=weights, task_name=task.name)
+    for i, traj in enumerate(trajectories):
+        # The trainer puts the prompt's own ids before the response: the episode must have
+        # started from exactly them, or every response token would sit one place off.
+        row = tuple(batch.packed["tokens"].row(i).tolist())
+        if traj.prompt != row:
+            raise ValueError(f"task {task.name!r}: the environment of prompt {prompts[i].index} "
+                             f"({prompts[i].text!r}) started from other tokens than the prompt "
+                             f"({tokenizer.decode(traj.prompt)!r}): reset() must return the "
+                             f"prompt's text (or its ids)")
     packed, scalars = trajectory_columns(trajectories)
     builder.add(batch.sample_ids, packed=packed, scalars=scalars)
     _episode_metrics(builder, trajectories, stats)
@@ -125,6 +134,8 @@ class AgentPolicyWorker(PolicyWorker):
         result = agent_shard(self.engine, shard, self.identity, task=self.task,
                              tokenizer=self.tokenizer, limits=self.limits, config=self.config,
                              stop_ids=self.stop_ids, greedy=greedy, seed=seed,
-                             schedule=self.config.rollout.agent_schedule)
+                             schedule=self.config.rollout.agent_schedule,
+                             # the version the engine holds: one less than the next sync's
+                             weights=FixedVersion(self._version - 1))
         handoff.to_trainer(self.engine, keep_weights=self.adapter_sync is not None)
         return result

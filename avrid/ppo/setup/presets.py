@@ -103,7 +103,7 @@ def tiny_agent() -> PPOConfig:
     base = tiny_grpo()
     return dataclasses.replace(
         base, task=TaskConfig(name="avrid.agents.calc:make_task",
-                              options={"digits": 2, "num_val": 30}),
+                              options={"digits": 2, "num_val": 30, "call_weight": 0.5, "hint": True}),
         train=dataclasses.replace(base.train, steps=150, out_dir="runs/tiny_agent"))
 
 
