@@ -10,7 +10,6 @@ import torch
 from avrid.agents import AgentTrainer, make_trainer
 from avrid.agents.calc import ALPHABET, CalcTask
 from avrid.agents.tools import calculator, parse_call
-from avrid.pipeline import PipelinedTrainer
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
@@ -114,6 +113,5 @@ def test_make_trainer_picks_the_trainer_by_task() -> None:
     assert type(make_trainer(digits)) is Trainer
     with pytest.raises(ValueError, match="single-turn"):
         AgentTrainer(digits)
-    with pytest.raises(ValueError, match="pipeline.mode='sync'"):
-        AgentTrainer(agent_config("pipeline.mode=one_step_off", "placement.backend=ray"))
-    assert PipelinedTrainer is not AgentTrainer
+    with pytest.raises(ValueError, match="AgentPipelinedTrainer"):
+        AgentTrainer(agent_config("pipeline.mode=one_step_off", "pipeline.rollout_dp=1"))

@@ -11,12 +11,41 @@ Read in this order:
 5. episodes.py      the episode loop: many episodes over one engine, each at its own pace
 6. calc.py          the laptop task: multiply with a calculator tool
 7. worker.py        multi-turn rollouts on a policy rank (chapter 5's worker, one method)
-8. trainer.py       chapter 5's loop on episodes; `train`, what ``avrid ppo`` calls
+8. trainer.py       chapter 5's loop on episodes: no reward call, episode metrics
+9. pipelined.py     the same in chapter 6's modes: a rollout pool running episodes
+
+`make_trainer` picks the trainer for a config, `train` is what ``avrid ppo`` calls.
 
 Research behind the chapter: `docs/agents-vllm-cpu.md` (what vLLM's engine does for
 per-trajectory scheduling and weight updates mid-rollout).
 """
 
-from avrid.agents.trainer import AgentTrainer, make_trainer, train
+from collections.abc import Callable
 
-__all__ = ["AgentTrainer", "make_trainer", "train"]
+from avrid.agents.env import is_agent_task
+from avrid.agents.pipelined import AgentPipelinedTrainer
+from avrid.agents.trainer import AgentTrainer
+from avrid.agents.worker import agent_task
+from avrid.pipeline import make_trainer as pipeline_trainer
+from avrid.ppo.driver.run import RunSummary
+from avrid.ppo.driver.run import train as run_train
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.setup.config import PPOConfig
+
+
+def make_trainer(config: PPOConfig) -> Trainer:
+    """The trainer for `config`: a multi-turn task (`env.is_agent_task`) runs episodes,
+    synchronously (`AgentTrainer`) or in chapter 6's modes (`AgentPipelinedTrainer`); any
+    other task gets chapter 6's choice (`avrid.pipeline.make_trainer`)."""
+    if not is_agent_task(agent_task(config)):
+        return pipeline_trainer(config)
+    return AgentPipelinedTrainer(config) if config.pipeline.disaggregated else \
+        AgentTrainer(config)
+
+
+def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> RunSummary:
+    """`avrid.ppo.driver.run.train` with `make_trainer` (what ``avrid ppo`` calls)."""
+    return run_train(config, log=log, make_trainer=make_trainer)
+
+
+__all__ = ["AgentPipelinedTrainer", "AgentTrainer", "make_trainer", "train"]

@@ -11,8 +11,8 @@ Everything else is chapter 5's, unchanged: old/ref log-probs and values are comp
 exact ids of the episode, the advantages run over the action tokens only (the estimator
 sees each row's policy tokens, right-padded: GAE steps from one action token to the next
 across an observation, `data/credit.py`), and the losses weigh action tokens only
-(`columns.action_mask`). `make_trainer` / `train` pick this trainer for a task that has the
-multi-turn members (`env.is_agent_task`) and chapter 6's otherwise.
+(`columns.action_mask`). `EpisodeSteps` holds those changes, shared with chapter 6's modes
+(`pipelined.py`); `avrid.agents.make_trainer` picks the trainer.
 
 Not here: the episode loop (`episodes.py`), the rollout on a worker (`worker.py`).
 """
@@ -23,33 +23,68 @@ import dataclasses
 from collections.abc import Callable
 
 from avrid.agents.env import is_agent_task
-from avrid.agents.worker import AgentPolicyWorker, agent_task
+from avrid.agents.worker import AgentPolicyWorker
 from avrid.dispatch import Batch
-from avrid.pipeline import make_trainer as pipeline_trainer
 from avrid.ppo.data.columns import with_responses
 from avrid.ppo.data.prompts import VAL, prompt_batch
-from avrid.ppo.driver.run import RunSummary
-from avrid.ppo.driver.run import train as run_train
 from avrid.ppo.driver.trainer import Trainer, step_seed
 from avrid.ppo.setup.config import PPOConfig
 from avrid.results import Merged, Phases, WorkerResult, run_shards
 from avrid.workers import PlacementPlan, WorkerGroup
 
 
-class AgentTrainer(Trainer):
+class EpisodeSteps:
+    """What chapter 7 changes in a trainer's step, for the synchronous `AgentTrainer` and
+    chapter 6's `pipelined.AgentPipelinedTrainer` alike (listed first in their bases, so
+    these methods replace the trainer's): no reward call, the episode metrics, validation
+    on episodes."""
+
+    def score(self, batch: Batch) -> tuple[Batch, Merged]:
+        """The environment has scored every episode already (its "score" column): no call."""
+        return batch, Merged(batch=batch.only(), metrics={}, results=())
+
+    def _metrics(self, batch: Batch, merged: list[Merged], phases: Phases) -> dict[str, float]:
+        out = super()._metrics(batch, merged, phases)
+        action = batch.packed["action_mask"].values.float()
+        out["agent/action_share"] = float(action.mean()) if action.numel() else 0.0
+        return out
+
+    def validate_episodes(self) -> dict[str, float]:
+        """Mean episode score on the held-out prompts (greedy unless rollout.val_greedy=False),
+        and how the episodes used their tools."""
+        prompts = prompt_batch(self.val_set, range(len(self.val_set)), repeats=1, first_id=0,
+                               split=VAL)
+        gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
+                         greedy=self.config.rollout.val_greedy,
+                         seed=step_seed(self.config, -1))
+        batch = with_responses(prompts, gen.batch)
+        s = batch.scalars
+        return {"val/reward": float(s["score"].mean()),
+                "val/response_len": float(batch.response_lens.float().mean()),
+                "val/truncation_rate": float(s["truncated"].float().mean()),
+                "val/tool_calls": float(s["tool_calls"].float().mean()),
+                "val/turns": float(s["turns"].float().mean())}
+
+
+def check_agent_task(task: object, config: PPOConfig) -> None:
+    """A trainer of episodes refuses a single-turn task, in one line."""
+    if not is_agent_task(task):
+        raise ValueError(f"task {config.task.name!r} is single-turn (no make_env, limits, "
+                         f"turn_stops): train it with avrid.pipeline.train")
+
+
+class AgentTrainer(EpisodeSteps, Trainer):
     """Chapter 5's synchronous loop over multi-turn episodes (see the module docstring)."""
 
     policy_worker = AgentPolicyWorker
 
     def __init__(self, config: PPOConfig) -> None:
-        if config.pipeline.disaggregated:
-            raise ValueError(f"multi-turn tasks run pipeline.mode='sync' for now (got "
-                             f"{config.pipeline.mode!r}): chapter 6's rollout pool does not "
-                             f"run episodes yet")
+        if config.pipeline.disaggregated:  # never run another mode than the one asked for
+            raise ValueError(f"pipeline.mode={config.pipeline.mode!r} runs episodes in "
+                             f"avrid.agents.pipelined.AgentPipelinedTrainer; this trainer "
+                             f"runs pipeline.mode='sync'")
         super().__init__(config)
-        if not is_agent_task(self.task):
-            raise ValueError(f"task {config.task.name!r} is single-turn (no make_env, limits, "
-                             f"turn_stops): train it with avrid.pipeline.train")
+        check_agent_task(self.task, config)
 
     def placement(self) -> PlacementPlan:
         """Chapter 5's placement, its policy ranks running `AgentPolicyWorker`."""
@@ -62,42 +97,13 @@ class AgentTrainer(Trainer):
         """The policy ranks' episode rollout (`AgentPolicyWorker.generate`)."""
         return self.policy, AgentPolicyWorker.generate
 
-    def score(self, batch: Batch) -> tuple[Batch, Merged]:
-        """The environment has scored every episode already (its "score" column): no call."""
-        return batch, Merged(batch=batch.only(), metrics={}, results=())
-
-    def _metrics(self, batch: Batch, merged: list[Merged], phases: Phases) -> dict[str, float]:
-        out = super()._metrics(batch, merged, phases)
-        action = batch.packed["action_mask"].values.float()
-        out["agent/action_share"] = float(action.mean()) if action.numel() else 0.0
-        return out
+    def sampling(self, step: int, round: int = 0) -> dict[str, int | bool]:
+        """Chapter 5's sampling arguments, plus the weight "version" the policy's engines
+        hold at step `step`: the actor updates made before it (chapter 6 counts the same),
+        stamped on every policy token."""
+        updates = max(0, step - self.config.train.critic_warmup_steps)
+        return {**super().sampling(step, round), "version": updates}
 
     def validate(self) -> dict[str, float]:
-        """Mean episode score on the held-out prompts (greedy unless rollout.val_greedy=False),
-        and how the episodes used their tools."""
-        r = self.config.rollout
-        prompts = prompt_batch(self.val_set, range(len(self.val_set)), repeats=1, first_id=0,
-                               split=VAL)
-        gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
-                         greedy=r.val_greedy, seed=step_seed(self.config, -1))
-        batch = with_responses(prompts, gen.batch)
-        s = batch.scalars
-        return {"val/reward": float(s["score"].mean()),
-                "val/response_len": float(batch.response_lens.float().mean()),
-                "val/truncation_rate": float(s["truncated"].float().mean()),
-                "val/tool_calls": float(s["tool_calls"].float().mean()),
-                "val/turns": float(s["turns"].float().mean())}
-
-
-def make_trainer(config: PPOConfig) -> Trainer:
-    """`AgentTrainer` for a multi-turn task, else chapter 6's choice (`pipeline.make_trainer`)."""
-    return AgentTrainer(config) if is_agent_task(agent_task(config)) else \
-        pipeline_trainer(config)
-
-
-def train(config: PPOConfig, *, log: Callable[[str], None] | None = None) -> RunSummary:
-    """`avrid.ppo.driver.run.train` with `make_trainer` (what ``avrid ppo`` calls)."""
-    return run_train(config, log=log, make_trainer=make_trainer)
-
-
-__all__ = ["AgentTrainer", "make_trainer", "train"]
+        """`EpisodeSteps.validate_episodes` by the policy ranks."""
+        return self.validate_episodes()

@@ -55,9 +55,11 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
                 tokenizer: Tokenizer, limits: EpisodeLimits, config: PPOConfig,
                 stop_ids: tuple[int, ...], greedy: bool, seed: int,
                 schedule: Schedule = "per_trajectory", segment_tokens: int | None = None,
-                weights: WeightSource | None = None) -> WorkerResult:
+                weights: WeightSource | None = None,
+                scalars: dict[str, int] | None = None) -> WorkerResult:
     """One episode per prompt row of `shard` (its scalars "split" and "prompt_index" name
-    the prompt), as a canonical result (see the module docstring)."""
+    the prompt), as a canonical result (see the module docstring); each of `scalars` is
+    stamped on every sample (chapter 6's weight "version")."""
     builder = ResultBuilder.for_shard(identity, shard)
     batch = shard.batch
     splits = (task.train_prompts(), task.val_prompts())
@@ -85,8 +87,10 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
                              f"({prompts[i].text!r}) started from other tokens than the prompt "
                              f"({tokenizer.decode(traj.prompt)!r}): reset() must return the "
                              f"prompt's text (or its ids)")
-    packed, scalars = trajectory_columns(trajectories)
-    builder.add(batch.sample_ids, packed=packed, scalars=scalars)
+    packed, columns = trajectory_columns(trajectories)
+    for name, value in (scalars or {}).items():
+        columns[name] = torch.full((len(trajectories),), value, dtype=torch.int64)
+    builder.add(batch.sample_ids, packed=packed, scalars=columns)
     _episode_metrics(builder, trajectories, stats)
     return builder.build()
 
@@ -125,17 +129,18 @@ class AgentPolicyWorker(PolicyWorker):
         self.tokenizer = make_tokenizer(self.config, self.task)
         self.limits = episode_limits(self.task, self.max_response)
 
-    def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
-                 seed: int) -> WorkerResult:
+    def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool, seed: int,
+                 version: int = 0) -> WorkerResult:
         """One episode per prompt of the shard (`agent_shard`); `max_new_tokens` is the run's
-        response budget, which the episode limits already respect."""
+        response budget, which the episode limits already respect; `version`: the weight
+        version the engine holds (the driver counts the updates), stamped on each policy
+        token."""
         if self.engine.asleep:  # as in PolicyWorker.generate: no sync since the last call
             self._load_engine()
         result = agent_shard(self.engine, shard, self.identity, task=self.task,
                              tokenizer=self.tokenizer, limits=self.limits, config=self.config,
                              stop_ids=self.stop_ids, greedy=greedy, seed=seed,
                              schedule=self.config.rollout.agent_schedule,
-                             # the version the engine holds: one less than the next sync's
-                             weights=FixedVersion(self._version - 1))
+                             weights=FixedVersion(version))
         handoff.to_trainer(self.engine, keep_weights=self.adapter_sync is not None)
         return result

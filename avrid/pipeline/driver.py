@@ -218,13 +218,8 @@ class PipelinedTrainer(Trainer):
 
     def generate_round(self, prompts: Batch, sampling: dict[str, int | bool]) -> Merged:
         """Dynamic sampling's extra round, by the rollout pool with the trainer's weights
-        (staleness 0): the generation in flight is queued first and the trainer's version
-        pushed if the engines are behind, so no version depends on timing."""
-        while self._inflight is not None:
-            self._collect()
-        if self.rollout_version != self.trainer_version:
-            self._push()
-        self._settle_push(wait=True)
+        (staleness 0): `catch_up` first, so no version depends on timing."""
+        self.catch_up()
         merged = super().generate_round(prompts, sampling)  # by `generator()`: the pool
         check_stamps(merged.batch, self.rollout_version, "an extra round")
         self._collected.append(merged)
@@ -276,12 +271,17 @@ class PipelinedTrainer(Trainer):
     def validate(self) -> dict[str, float]:
         """Chapter 5's validation, by the rollout pool, with the trainer's latest weights:
         the generation in flight ends first (its batch is queued), then a push if needed."""
+        self.catch_up()
+        return super().validate()
+
+    def catch_up(self) -> None:
+        """Bring the rollout pool to the trainer's weights now: the generation in flight
+        collected (its batch queued), a push if the engines are behind, the push checked."""
         while self._inflight is not None:
             self._collect()
         if self.rollout_version != self.trainer_version:
             self._push()
         self._settle_push(wait=True)
-        return super().validate()
 
     # ---- the pipeline ----------------------------------------------------------------------
 

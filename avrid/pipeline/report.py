@@ -43,10 +43,18 @@ from avrid.workers import WorkerIdentity
 
 
 def staleness(batch: Batch, version: int) -> dict[str, float]:
-    """Trainer version `version` minus each sample's "version" stamp: max and mean."""
+    """Trainer version `version` minus each sample's "version" stamp: max and mean; with a
+    per-token "token_version" column (chapter 7's episodes), the same over action tokens
+    (`pipeline/staleness_token_*`: a token is as old as the weights that generated it)."""
     stale = (version - batch.scalars["version"]).double()
-    return {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,
-            "pipeline/staleness_mean": float(stale.mean()) if len(stale) else 0.0}
+    out = {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,
+           "pipeline/staleness_mean": float(stale.mean()) if len(stale) else 0.0}
+    if "token_version" in batch.packed:
+        mask = action_mask(batch).bool()
+        tokens = (version - padded(batch, "token_version")[mask]).double()
+        out["pipeline/staleness_token_max"] = float(tokens.max()) if tokens.numel() else 0.0
+        out["pipeline/staleness_token_mean"] = float(tokens.mean()) if tokens.numel() else 0.0
+    return out
 
 
 def off_policy(batch: Batch, config: PipelineConfig) -> dict[str, float]:
