@@ -6,6 +6,7 @@ for each context); environments are scripted, drawn by Hypothesis."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -239,3 +240,51 @@ def test_every_token_records_the_version_that_generated_it(every: int) -> None:
         assert any(len({t.version[i] for i in range(a, b)}) > 1
                    for kind, a, b in t.turns if kind == "policy")
         assert t.oldest_version() == min(v for v in t.version if v >= 0)
+
+
+@dataclass
+class PythonToolEnv:
+    """One tool call per episode: the code the test gives, run by the sandboxed Python tool
+    (`tools.python`); the observation is what the tool says, as ids of its length."""
+
+    code: str
+    results: list = field(default_factory=list)
+
+    def reset(self) -> list[int]:
+        return [2, 3]
+
+    def step(self, action_ids: Sequence[int], action_text: str) -> StepResult:
+        from avrid.agents.tools import python
+
+        if self.results:
+            return StepResult(observation=[], reward=1.0, done=True)
+        result = python(self.code, wall_s=2.0, memory_mb=256)
+        self.results.append(result)
+        return StepResult(observation=[4] * min(3, len(result.observation())), tool_calls=1,
+                          tool_errors=int(result.status != "ok"), tool_seconds=result.seconds)
+
+
+def test_misbehaving_tools_inside_episodes_end_as_observations_and_leave_nothing(
+        model: torch.nn.Module, tmp_path) -> None:  # noqa: ANN001
+    outside = tmp_path / "x.txt"
+    codes = {"ok": "print(6 * 7)", "timeout": "while True: pass",
+             "memory": "x = bytearray(1 << 34)", "denied": f"open({str(outside)!r}, 'w')",
+             "network": "import socket; socket.create_connection(('example.com', 80))",
+             "crash": "raise RuntimeError('boom')"}
+    envs = [PythonToolEnv(code) for code in codes.values()]
+    engine = TorchEngine(model, pad_token_id=PAD)
+    start = time.monotonic()
+    trajs, _ = run_episodes(engine, envs, tokenizer=IdTokenizer(),
+                            limits=EpisodeLimits(max_turns=3, turn_tokens=3, max_tokens=30),
+                            params=SamplingParams(max_new_tokens=1, stop_token_ids=STOPS),
+                            tool_threads=len(envs))
+    # The tools ran side by side: the whole batch took about the slowest one (2 s), not the sum.
+    assert time.monotonic() - start < 30
+    statuses = [env.results[0].status for env in envs]
+    assert statuses == ["ok", "timeout", "memory", "denied", "denied", "error"]
+    assert all(t.done and t.tool_calls == 1 for t in trajs)  # every episode went on to its end
+    assert [t.tool_errors for t in trajs] == [0, 1, 1, 1, 1, 1]
+    assert not outside.exists()
+    for env in envs:  # nothing of any tool is left running
+        with pytest.raises(ProcessLookupError):
+            os.killpg(env.results[0].pid, 0)
