@@ -169,12 +169,13 @@ def test_vllm_episodes_are_the_engines_tokens_and_the_trainer_scores_them_the_sa
     for env, traj in zip(envs, trajs, strict=True):
         check_tokens(traj, env, recording)
         assert traj.done != traj.truncated
-    turns = [(t, b - a) for t in trajs for kind, a, b in t.turns if kind == "policy"]
+    spans = [(t, a, b) for t in trajs for kind, a, b in t.turns if kind == "policy"]
+    assert any(t.policy_turns > 1 for t in trajs)  # observations between policy turns
     # Both ways a turn ends were exercised: a stop token, and the turn's budget.
-    ends = [t.ids[b - 1] in STOPS for t in trajs for kind, _, b in t.turns if kind == "policy"]
+    ends = [t.ids[b - 1] in STOPS for t, _, b in spans]
     assert any(ends) and not all(ends)
     if segment:  # turns longer than a segment were generated over several engine calls
-        assert any(n > segment for _, n in turns)
+        assert any(b - a > segment for _, a, b in spans)
     assert stats.engine_calls >= max(t.policy_turns for t in trajs)
     # The batch's columns are the trajectories' own.
     packed, _ = trajectory_columns(trajs)
