@@ -39,6 +39,8 @@ class IdTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]
 
+    encode_text = encode
+
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
 

@@ -110,8 +110,9 @@ class AgentTask(Task, Protocol):
 
     @property
     def turn_stops(self) -> str:
-        """Characters that end a policy turn besides EOS (e.g. "]" closing a tool call);
-        each must be one token of the policy's tokenizer."""
+        """What ends a policy turn besides EOS (e.g. "]" closing a tool call): EVERY token of
+        its encoding (`Tokenizer.encode_text`) is a stop, so give characters of a character
+        tokenizer, or a marker that is one token of a real one (Qwen's "</tool_call>")."""
         ...
 
     def make_env(self, prompt: Prompt) -> Environment:

@@ -119,7 +119,7 @@ def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokeniz
     stats = LoopStats()
     start = time.perf_counter()
     episodes = [_Episode(i, env, prompts[i] if prompts else None,
-                         Trajectory(prompt=tuple(_ids(env.reset(), tokenizer))))
+                         Trajectory(prompt=tuple(_prompt_ids(env.reset(), tokenizer))))
                 for i, env in enumerate(envs)]
     ready: deque[_Episode] = deque(episodes)
     pending: dict[Future[StepResult], _Episode] = {}
@@ -208,8 +208,17 @@ def _observe(ep: _Episode, step: StepResult, tokenizer: Tokenizer, limits: Episo
     return True
 
 
+def _prompt_ids(prompt: str | Sequence[int], tokenizer: Tokenizer) -> list[int]:
+    """The first context as token ids: text as the task's prompts are (`Tokenizer.encode`:
+    a chat model's template included), ids as they are."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
 def _ids(observation: str | Sequence[int], tokenizer: Tokenizer) -> list[int]:
-    """An observation as token ids: text is tokenized (once, here), ids are kept."""
+    """An observation as token ids: text is tokenized (once, here, as it is: no chat template
+    around it), ids are kept."""
     if isinstance(observation, str):
-        return tokenizer.encode(observation)
+        return tokenizer.encode_text(observation)
     return [int(t) for t in observation]

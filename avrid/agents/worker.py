@@ -67,7 +67,7 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
                                                       batch.scalars["prompt_index"].tolist(),
                                                       strict=True)]
     r = config.rollout
-    turn_stops = tuple(tokenizer.encode(task.turn_stops)) if task.turn_stops else ()
+    turn_stops = tuple(tokenizer.encode_text(task.turn_stops)) if task.turn_stops else ()
     params = SamplingParams(max_new_tokens=1, greedy=greedy,
                             temperature=1.0 if greedy else r.temperature,
                             top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,

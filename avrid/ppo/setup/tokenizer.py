@@ -60,6 +60,11 @@ class Tokenizer(Protocol):
         """Token ids of `text` (the prompt as the model should see it)."""
         ...
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as it is, inside a sequence: no chat template around it, no
+        special tokens added (chapter 7's observations and turn-stop markers)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`. Does not stop at EOS: the caller cuts the response first."""
         ...
@@ -117,6 +122,10 @@ class CharTokenizer:
             pos, bad = next((i, ch) for i, ch in enumerate(text) if ch not in self._ids)
             raise ValueError(f"character {bad!r} at position {pos} of {text!r} is not in the "
                              f"tokenizer alphabet {self.alphabet!r}") from None
+
+    def encode_text(self, text: str) -> list[int]:
+        """The same as `encode`: a character tokenizer has no template and adds nothing."""
+        return self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Characters of `ids`, skipping pad and eos; ValueError on an id out of range."""
@@ -216,6 +225,10 @@ class HFTokenizer:
                                                 return_dict=False)
             return [int(i) for i in ids]
         return [int(i) for i in self._tok.encode(text)]
+
+    def encode_text(self, text: str) -> list[int]:
+        # No BOS or other special token: the text continues a sequence already begun.
+        return [int(i) for i in self._tok.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
