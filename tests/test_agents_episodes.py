@@ -290,3 +290,17 @@ def test_misbehaving_tools_inside_episodes_end_as_observations_and_leave_nothing
     for env in envs:  # nothing of any tool is left running
         with pytest.raises(ProcessLookupError):
             os.killpg(env.results[0].pid, 0)
+
+
+class BrokenEnv(ScriptedEnv):
+    def step(self, action_ids: Sequence[int], action_text: str) -> StepResult:
+        raise KeyError("no such tool")
+
+
+def test_an_environment_that_raises_is_named_in_one_line(model: torch.nn.Module) -> None:
+    engine = TorchEngine(model, pad_token_id=PAD)
+    with pytest.raises(RuntimeError, match=r"task 'agent': the environment of episode 1 raised "
+                                           r"at turn 1: KeyError: 'no such tool'"):
+        run_episodes(engine, [ScriptedEnv([2], [[3]], 1), BrokenEnv([2], [[3]], 1)],
+                     tokenizer=IdTokenizer(), limits=EpisodeLimits(),
+                     params=SamplingParams(max_new_tokens=1, stop_token_ids=STOPS))

@@ -132,7 +132,7 @@ def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokeniz
                      else FIRST_COMPLETED)
             for fut in [f for f in pending if f.done()]:
                 ep = pending.pop(fut)
-                if _observe(ep, fut.result(), tokenizer, limits, task_name):
+                if _observe(ep, _answer(fut, ep, task_name), tokenizer, limits, task_name):
                     ready.append(ep)
             if not ready:
                 continue
@@ -153,8 +153,8 @@ def _generate(engine: Any, batch: list[_Episode], params: SamplingParams,
               stats: LoopStats) -> list[_Episode]:
     """One engine call for `batch`; appends each episode's new tokens. Each row gets its
     own budget (the rest of its turn, of the episode, of the segment): the call runs to the
-    largest and every row is cut at its own (tokens past a row's budget are dropped, so
-    what it keeps is exactly what a call with its budget alone would have sampled)."""
+    largest and every row is cut at its own (the tokens it keeps never depend on the ones
+    dropped after them: each token depends only on those before it)."""
     version = weights.poll()
     budgets = []
     for ep in batch:
@@ -182,6 +182,18 @@ def _generate(engine: Any, batch: list[_Episode], params: SamplingParams,
         ep.mid_turn = not stopped and room > 0 and len(ids) == budget and \
             segment_tokens is not None and budget == segment_tokens
     return batch
+
+
+def _answer(fut: Future[StepResult], ep: _Episode, task_name: str) -> StepResult:
+    """The environment's answer; its error names the task and the episode's prompt (a
+    tool's failure is an observation, so an error here is a bug in the environment)."""
+    try:
+        return fut.result()
+    except Exception as e:
+        where = f"prompt {ep.prompt.index} ({ep.prompt.text!r})" if ep.prompt else \
+            f"episode {ep.index}"
+        raise RuntimeError(f"task {task_name!r}: the environment of {where} raised at turn "
+                           f"{ep.traj.policy_turns}: {type(e).__name__}: {e}") from e
 
 
 def _observe(ep: _Episode, step: StepResult, tokenizer: Tokenizer, limits: EpisodeLimits,
