@@ -60,6 +60,7 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
     ("ch04_resharding", "resharding: FSDP shards to TP slices, minimum bytes, fingerprints"),
     ("ch05_ppo", "the PPO/GRPO loop: roles, RL math, rollouts, weight sync, checkpoints"),
     ("ch06_async", "asynchronous RL: one-step-off, bounded staleness, off-policy correction"),
+    ("ch07_agents", "multi-turn agents: tools in a sandbox, token-in/token-out, action masks"),
 )
 
 

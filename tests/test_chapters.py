@@ -21,7 +21,8 @@ DEMO_SAYS = {"ch01_workers": "same all-reduce results: true",
              "ch03_results": "all checks passed",
              "ch04_resharding": "all checks passed",
              "ch05_ppo": "all checks passed",
-             "ch06_async": "all checks passed"}
+             "ch06_async": "all checks passed",
+             "ch07_agents": "all checks passed"}
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Each demo and notebook belongs to its chapter (`make test CH=N` runs chapter N's).
 DEMOS = [pytest.param(pkg, marks=pytest.mark.chapter(int(pkg[2:4])), id=pkg)
