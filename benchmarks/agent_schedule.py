@@ -62,6 +62,8 @@ class IdTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]
 
+    encode_text = encode  # observations and stops as they are (no template here)
+
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
 

@@ -20,8 +20,8 @@ in one process, no Ray). It reads top to bottom:
 5. the checks, and the chapter's picture in ``outputs/ch07/agents.png``.
 
 It exits 0 when every check passes and 1 otherwise. The tiny model does not learn the task
-in these few steps (nor yet in the preset's 400): the demo shows the machinery, not a
-learning curve.
+in these few steps (the preset's 650 steps take it part of the way: the chapter README):
+the demo shows the machinery, not a learning curve.
 """
 
 from __future__ import annotations

@@ -98,21 +98,25 @@ def tiny_ppo_vllm() -> PPOConfig:
 
 def tiny_agent() -> PPOConfig:
     """Chapter 7's laptop run: the tiny model learns to multiply with a calculator tool over
-    multi-turn episodes ("48*7=" -> "[48*7]" -> "336;" -> "336"; `avrid.agents.calc`), GRPO
-    with `tiny_grpo`'s settings, scored on 30 held-out products it never trains on.
+    multi-turn episodes ("48*7=[" -> "48*7]" -> "336;" -> "336"; `avrid.agents.calc`), GRPO
+    as `tiny_grpo` but at a lower learning rate, scored on 30 held-out products it never
+    trains on.
 
     Shaped towards the tool (`call_weight` 0.5) and hinted (the prompt opens the call): without
     both the tiny model never found the calculator (measured: 0 calls per episode after 150
-    steps, validation reward 0.04 -> 0.22 by guessing digits). Measured with both, seed 0, 400
-    steps (4.6 min here, beside other work): validation reward 0.017 -> 0.27, one call per
-    episode from step 150; the calls' operands are still only partly copied: this run does not
-    learn the task yet."""
+    steps, validation reward 0.04 -> 0.22 by guessing digits). Learning rate 5e-4: at
+    tiny_grpo's 2e-3 the policy collapsed onto one call for every prompt ("2222*]", 0.27 after
+    400 steps). Measured on this 2-core machine, seeds 0/1/2, 650 steps: validation reward
+    0.017 -> 0.59, 0.025 -> 0.46, 0.072 -> 0.60 in 231/228/246 s, one call per episode. The
+    calls mostly copy the prompt's expression by then; the final answers do not yet copy the
+    tool's result: the task is not mastered in these 4 minutes."""
     base = tiny_grpo()
     return dataclasses.replace(
         base, task=TaskConfig(name="avrid.agents.calc:make_task",
                               options={"digits": 2, "num_val": 30, "call_weight": 0.5,
                                        "hint": True}),
-        train=dataclasses.replace(base.train, steps=400, out_dir="runs/tiny_agent"))
+        train=dataclasses.replace(base.train, steps=650, actor_lr=5e-4,
+                                  out_dir="runs/tiny_agent"))
 
 
 def small_cpu() -> PPOConfig:
