@@ -130,7 +130,7 @@ def test_avrid_ppo_debug_reaches_the_workers(monkeypatch: pytest.MonkeyPatch,
                                              tmp_path: Path) -> None:
     """``--debug`` is put in the environment before the run starts: Ray's workers (new
     processes of a local Ray) and the in-process backend read it from there."""
-    import avrid.pipeline
+    import avrid.agents
 
     class Seen(Exception):
         pass
@@ -141,7 +141,7 @@ def test_avrid_ppo_debug_reaches_the_workers(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delenv("AVRID_DEBUG", raising=False)
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the CLI extends it
     monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(avrid.pipeline, "train", fake_train)
+    monkeypatch.setattr(avrid.agents, "train", fake_train)  # what `avrid ppo` calls
     for argv, seen in ((["--debug"], "1"), ([], None)):
         with pytest.raises(Seen) as run:
             cli.main(["ppo", "--steps", "1", "--out", str(tmp_path / "run"), *argv])
