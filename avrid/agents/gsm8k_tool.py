@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from avrid.agents.env import EpisodeLimits, StepResult
 from avrid.agents.tools import parse_call, python
@@ -44,7 +44,6 @@ class Gsm8kToolEnv:
     task: Gsm8kTask
     wall_s: float
     memory_mb: int
-    _done_calls: list[str] = field(default_factory=list)
 
     def reset(self) -> str:
         return self.prompt.text
@@ -56,7 +55,6 @@ class Gsm8kToolEnv:
                               done=True)
         # The marker's neighbours are the model's whitespace, not the code's indentation.
         code = textwrap.dedent(code).strip()
-        self._done_calls.append(code)
         result = python(code, wall_s=self.wall_s, memory_mb=self.memory_mb)
         return StepResult(observation=f"\n<tool_response>\n{result.observation()}\n"
                                       f"</tool_response>\n",
