@@ -227,7 +227,9 @@ GPU_SCRIPT = COMMON + textwrap.dedent("""
         update(model, opt, 0, 0, 1)  # train_shard on the GPU: model_device, clipping
         out[str(offload)] = {"held": torch.cuda.memory_allocated() - base,
                              "peak": torch.cuda.max_memory_allocated() - base,
-                             "params": sorted({str(p.to_local().device)
+                             # one fp32 rank without offload is the plain model (no
+                             # DTensor, see fsdp.shard_model); with offload, FSDP2's shards
+                             "params": sorted({str(getattr(p, "to_local", lambda: p)().device)
                                                for p in model.parameters()})}
         del model, opt
     print(json.dumps(out))
