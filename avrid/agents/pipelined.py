@@ -12,25 +12,29 @@ stay chapter 6's:
 - `AgentPipelinedTrainer`: chapter 6's trainer with chapter 7's steps (`EpisodeSteps`: no
   reward call, episode metrics, validation on episodes).
 
-A push waits for the generation in flight, as in chapter 6: a batch's tokens all come from
-the version it was launched with, so K = 0 is the synchronous run exactly. The episode loop
-can already take new weights between two engine calls (`episodes.WeightSource`: partial
-rollouts, each token stamped with its version); letting a push land mid-generation is the
-step after this one.
+In one_step_off, and in async with `pipeline.partial_rollouts=false`, a push waits for the
+generation in flight, as in chapter 6: a batch's tokens all come from the version it was
+launched with. In async mode (partial rollouts, the default there) a push lands in the
+middle: the rollout rank receives it on its "weights" lane while the episodes run, and they
+take it at their next engine call (`partial.WeightMailbox`); each token keeps the version that
+made it and a sample's "version" is its oldest token's, the one the staleness gate and the
+queue go by. K = 0 never pushes while a batch is generated, so it is the synchronous run
+exactly.
 
 Not here: the pipeline itself (`avrid.pipeline`), the episode loop (`episodes.py`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from avrid.agents.episodes import FixedVersion
+from avrid.agents.partial import WeightMailbox
 from avrid.agents.trainer import EpisodeSteps, check_agent_task
 from avrid.agents.worker import agent_shard, agent_task, episode_limits
 from avrid.dispatch import Shard
 from avrid.pipeline import PipelinedTrainer
-from avrid.pipeline.rollout import RolloutWorker
+from avrid.pipeline.rollout import Received, RolloutWorker
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.results import WorkerResult
@@ -38,27 +42,45 @@ from avrid.workers import WorkerIdentity
 
 
 class AgentRolloutWorker(RolloutWorker):
-    """Chapter 6's rollout rank whose `generate` runs multi-turn episodes."""
+    """Chapter 6's rollout rank whose `generate` runs multi-turn episodes, and which takes
+    pushes while it generates (`receive_weights` runs on a lane of its own)."""
+
+    lanes = {"receive_weights": "weights"}
 
     def __init__(self, identity: WorkerIdentity, **kwargs: Any) -> None:
         super().__init__(identity, **kwargs)
         self.task = agent_task(self.config)
         self.tokenizer = make_tokenizer(self.config, self.task)
         self.limits = episode_limits(self.task, self.max_response)
+        self.mailbox = WeightMailbox()
+
+    def receive_weights(self, version: int) -> Received:
+        """Chapter 6's receive, bucket by bucket, on this rank's "weights" lane; the engine
+        loads them at once if it is idle, else between two engine calls of the episodes in
+        flight (`WeightMailbox.deliver`)."""
+        start = time.time()
+        full = self._receive_all()
+        return self.mailbox.deliver(version, lambda: self._install(full, version, start),
+                                    timeout_s=self._timeout_s)
 
     def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
                  seed: int) -> WorkerResult:
-        """One episode per prompt of the shard, every sample and policy token stamped with
-        the weight version the engine holds."""
-        if self.version is None:
+        """One episode per prompt of the shard, every policy token stamped with the weight
+        version that generated it ("token_version") and each sample with its oldest
+        ("version")."""
+        if self.mailbox.version is None:
             raise RuntimeError(f"{self.identity.name}: no weights received yet; the driver "
                                f"pushes them before the first generation")
-        return agent_shard(self.engine, shard, self.identity, task=self.task,
-                           tokenizer=self.tokenizer, limits=self.limits, config=self.config,
-                           stop_ids=self.stop_ids, greedy=greedy, seed=seed,
-                           schedule=self.config.rollout.agent_schedule,
-                           weights=FixedVersion(self.version),
-                           scalars={"version": self.version})
+        self.mailbox.begin()
+        try:
+            return agent_shard(self.engine, shard, self.identity, task=self.task,
+                               tokenizer=self.tokenizer, limits=self.limits,
+                               config=self.config, stop_ids=self.stop_ids, greedy=greedy,
+                               seed=seed, schedule=self.config.rollout.agent_schedule,
+                               segment_tokens=self.config.rollout.agent_segment_tokens,
+                               weights=self.mailbox, stamp_versions=True)
+        finally:
+            self.mailbox.end()
 
 
 class AgentPipelinedTrainer(EpisodeSteps, PipelinedTrainer):
@@ -69,6 +91,8 @@ class AgentPipelinedTrainer(EpisodeSteps, PipelinedTrainer):
     def __init__(self, config: PPOConfig) -> None:
         super().__init__(config)
         check_agent_task(self.task, config)
+        p = config.pipeline
+        self.pushes_mid_generation = p.mode == "async" and p.partial_rollouts
 
     def validate(self) -> dict[str, float]:
         """Episodes on the held-out prompts by the rollout pool, brought to the trainer's

@@ -56,10 +56,10 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
                 stop_ids: tuple[int, ...], greedy: bool, seed: int,
                 schedule: Schedule = "per_trajectory", segment_tokens: int | None = None,
                 weights: WeightSource | None = None,
-                scalars: dict[str, int] | None = None) -> WorkerResult:
+                stamp_versions: bool = False) -> WorkerResult:
     """One episode per prompt row of `shard` (its scalars "split" and "prompt_index" name
-    the prompt), as a canonical result (see the module docstring); each of `scalars` is
-    stamped on every sample (chapter 6's weight "version")."""
+    the prompt), as a canonical result (see the module docstring). `stamp_versions`: each
+    sample gets the scalar "version" (chapter 6's), its oldest policy token's."""
     builder = ResultBuilder.for_shard(identity, shard)
     batch = shard.batch
     splits = (task.train_prompts(), task.val_prompts())
@@ -88,8 +88,10 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
                              f"({tokenizer.decode(traj.prompt)!r}): reset() must return the "
                              f"prompt's text (or its ids)")
     packed, columns = trajectory_columns(trajectories)
-    for name, value in (scalars or {}).items():
-        columns[name] = torch.full((len(trajectories),), value, dtype=torch.int64)
+    if stamp_versions:  # a trajectory is as stale as its oldest token (the first call's)
+        columns["version"] = torch.tensor(
+            [min((v for v, a in zip(t.version, t.action, strict=True) if a),
+                 default=stats.versions[0]) for t in trajectories], dtype=torch.int64)
     builder.add(batch.sample_ids, packed=packed, scalars=columns)
     _episode_metrics(builder, trajectories, stats)
     return builder.build()

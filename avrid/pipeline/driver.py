@@ -13,19 +13,17 @@ them generating the NEXT batches while the trainer learns from the current one:
                     the next one started while the trainer is between calls)
                     pump again: the trainer has a new version, so push it and start more
 
-    pump            with no generation in flight (a push never cancels one): if the engines
-                    are behind the trainer, push the trainer's weights (`transfer.py`);
-                    then, if the gate admits the next step's batch (`staleness.py`:
-                    trainer version - engine version <= K, queue has room), start
-                    generating it — one `start_shards` call, collected later
+    pump            with no generation in flight (a push never cancels one; chapter 7's
+                    partial rollouts let one land mid-generation): if the engines are
+                    behind the trainer, push its weights (`transfer.py`); then, if the gate
+                    admits the next step's batch (`staleness.py`: trainer version - engine
+                    version <= K, queue has room), start generating it (`start_shards`)
 
-Nobody waits for a push: the trainer ranks gather the weights bucket by bucket and trainer
-rank 0 posts one broadcast per bucket and returns (the learning goes on while the bytes
-travel), each rollout rank receives and loads before the generation queued behind it, and
-the driver checks the fingerprints when it next looks (`_settle_push`) — at the latest
-before it accepts a batch made with those weights. A rollout rank that dies mid-push is
-reported as itself: its `receive_weights` call fails, naming it, and that is the error the
-driver raises, not the trainer's or a peer's timeout that follows from it.
+Nobody waits for a push: trainer rank 0 posts one broadcast per bucket and returns (the
+learning goes on while the bytes travel), each rollout rank receives and loads before the
+generation queued behind it, and the driver checks the fingerprints (`_settle_push`) at the
+latest before it accepts a batch made with those weights. A rollout rank that dies mid-push
+is reported as itself, not as the trainer's or a peer's timeout that follows from it.
 
 Every sample carries the version of the weights that made it (the rollout worker stamps it);
 the driver checks the stamp, computes each batch's staleness and refuses one above K. K = 0
@@ -88,8 +86,7 @@ class _InFlight:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Push:
-    """A weight push posted to both pools and not yet checked (each rollout rank reports the
-    version it received in its `Received`)."""
+    """A weight push posted to both pools, not yet checked (each rollout rank: `Received`)."""
 
     submitted: float
     sent: PendingCall  # per trainer rank: (partial fingerprints, start, end)
@@ -119,6 +116,9 @@ class PipelinedTrainer(Trainer):
     policy_worker = LearnerWorker
     rollout_worker: type[RolloutWorker] = RolloutWorker
     """The worker class of the "rollout" role."""
+    pushes_mid_generation = False
+    """Whether a push may land while a batch is generated (chapter 7's partial rollouts: its
+    rollout worker takes weights between two engine calls); chapter 6's waits for it."""
 
     def __init__(self, config: PPOConfig) -> None:
         if not config.pipeline.disaggregated:
@@ -201,10 +201,9 @@ class PipelinedTrainer(Trainer):
         for rollout in held.queue:
             self.queue.put(rollout)
         self.next_gen = held.next_gen
-        # Fresh engines hold no trained weights. If the saved ones held the trainer's version,
-        # that is the checkpoint's actor: push it now. If they were behind, nothing needs
-        # them: a push of the trainer's version precedes every launch (`_pump`, `validate`),
-        # so it comes exactly where the uninterrupted run makes it.
+        # Fresh engines hold no trained weights. Saved ones at the trainer's version held the
+        # checkpoint's actor: push it now. Ones behind need nothing: a push of the trainer's
+        # version precedes every launch (`_pump`, `validate`), where the run made it.
         if held.rollout_version == self.trainer_version:
             self._push()
             self._settle_push(wait=True)
@@ -217,8 +216,7 @@ class PipelinedTrainer(Trainer):
         return self.rollout, self.rollout_worker.generate
 
     def generate_round(self, prompts: Batch, sampling: dict[str, int | bool]) -> Merged:
-        """Dynamic sampling's extra round, by the rollout pool with the trainer's weights
-        (staleness 0): `catch_up` first, so no version depends on timing."""
+        """Dynamic sampling's extra round by the pool at the trainer's weights (`catch_up`)."""
         self.catch_up()
         merged = super().generate_round(prompts, sampling)  # by `generator()`: the pool
         check_stamps(merged.batch, self.rollout_version, "an extra round")
@@ -226,8 +224,7 @@ class PipelinedTrainer(Trainer):
         return merged
 
     def close(self, *, failed: bool = False) -> None:
-        """Let a generation still in flight end (a caller that stopped early may leave
-        one), stop the engines, then chapter 5's close."""
+        """Let a generation in flight end, stop the engines, then chapter 5's close."""
         if self.cluster is not None and not failed:
             timeout = self.config.train.call_timeout_s
             if self._inflight is not None:
@@ -264,13 +261,11 @@ class PipelinedTrainer(Trainer):
         metrics.update(self._pipeline_metrics(batch, phases, version))
         self.timeline = report.step_timeline(phases, self._collected, self._spans,
                                              self._push_ranks)
-        self._collected, self._spans, self._push_trainer = [], [], []
-        self._push_ranks = []
+        self._collected, self._spans, self._push_trainer, self._push_ranks = [], [], [], []
         return metrics, batch
 
     def validate(self) -> dict[str, float]:
-        """Chapter 5's validation, by the rollout pool, with the trainer's latest weights:
-        the generation in flight ends first (its batch is queued), then a push if needed."""
+        """Chapter 5's validation, by the rollout pool brought to the trainer's weights."""
         self.catch_up()
         return super().validate()
 
@@ -302,6 +297,9 @@ class PipelinedTrainer(Trainer):
         and start the next admitted batch. Never waits for a generation."""
         if self._inflight is not None and self._inflight.call.done():
             self._collect()
+        if self._inflight is not None and self.pushes_mid_generation \
+                and self.rollout_version != self.trainer_version:
+            self._push()  # it lands between two engine calls of the generation in flight
         if (self._inflight is not None or self.next_gen >= self.config.train.steps
                 or not self.queue.has_room()):
             return
@@ -328,9 +326,11 @@ class PipelinedTrainer(Trainer):
         self._settle_push(wait=True)
         merged = done.call.result()
         batch = with_responses(done.prompts, merged.batch)
-        check_stamps(batch, done.version, f"step {done.step}")
-        self.queue.put(Rollout(step=done.step, version=done.version, batch=batch,
-                               generation=merged))
+        # Partial rollouts: a sample is as old as its oldest token, at least the launch's.
+        newest = self.rollout_version if self.pushes_mid_generation else done.version
+        check_stamps(batch, done.version, f"step {done.step}", newest=newest)
+        oldest = int(batch.scalars["version"].min()) if len(batch) else done.version
+        self.queue.put(Rollout(step=done.step, version=oldest, batch=batch, generation=merged))
         self._collected.append(merged)
 
     def _push(self) -> None:
@@ -340,7 +340,7 @@ class PipelinedTrainer(Trainer):
         ranks receive and load before the next call they are given (a generation, usually
         launched right after), and the driver checks the fingerprints later
         (`_settle_push`), before any batch made with them."""
-        if self._inflight is not None:
+        if self._inflight is not None and not self.pushes_mid_generation:
             raise StalenessError("a weight push was started while a generation is in flight")
         self._settle_push(wait=True)  # the previous push, long finished: check it first
         self._pushing = _Push(
@@ -374,8 +374,8 @@ class PipelinedTrainer(Trainer):
         for r in received:
             check_same(expected, r.checksums, where=f"rollout engine of rollout rank {r.rank} "
                                                     f"(weights version {r.version})")
-        # The push as the workers saw it: from its submission to the last rank's end; the
-        # trainer's own share (gathering, posting its broadcasts) is `time/push_trainer`.
+        # The push from its submission to the last rank's end; `time/push_trainer`: the
+        # trainer's own share (gathering, posting its broadcasts).
         self._spans.append(Span(name="weight_push", start=push.submitted,
                                 end=max(*(p[2] for p in sent), *(r.end for r in received))))
         self._push_trainer.append(max(p[2] - p[1] for p in sent))

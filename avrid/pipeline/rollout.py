@@ -118,10 +118,14 @@ class RolloutWorker(Worker):
         timeout of the start (a trainer or peer that stopped raises `PushTimeout` naming
         this rank and the bucket), load them and fingerprint the engine; every trainer and
         rollout rank at once."""
+        start = time.time()
+        return self._install(self._receive_all(), version, start)
+
+    def _receive_all(self) -> dict[str, torch.Tensor]:
+        """Every bucket of one push, into whole tensors (the engine is not touched)."""
         if self._transfer is None or self._plan is None:
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"receive_weights()")
-        start = time.time()
         deadline = time.monotonic() + self._timeout_s
         full = allocate_whole(self._plan, self.device)
         try:
@@ -133,6 +137,10 @@ class RolloutWorker(Worker):
             self._transfer.leave()
             self._transfer = None
             raise
+        return full
+
+    def _install(self, full: dict[str, torch.Tensor], version: int, start: float) -> Received:
+        """Load received weights into the engine, fingerprint it, take their version."""
         if self._adapter_config is not None:  # a new adapter id; its read-back fingerprints
             self.engine.load_adapter(full, self._adapter_config, version=version)
             sums = self.engine.adapter_checksums()

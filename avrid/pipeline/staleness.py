@@ -128,11 +128,13 @@ class RolloutQueue:
         return [self._items[step] for step in sorted(self._items)]
 
 
-def check_stamps(batch: Any, version: int, what: str) -> None:
+def check_stamps(batch: Any, version: int, what: str, *, newest: int | None = None) -> None:
     """Every sample of `batch` (`what`: "step 3", for the error) must carry the weight
-    version its engines were sent (the rollout worker stamps each one)."""
+    version its engines were sent (the rollout worker stamps each one), or with partial
+    rollouts (weights that landed mid-generation) one from `version` to `newest`."""
     stamps = batch.scalars["version"]
-    if len(stamps) and not bool((stamps == version).all()):
+    top = version if newest is None else newest
+    if len(stamps) and not bool(((stamps >= version) & (stamps <= top)).all()):
+        sent = f"version {version}" if top == version else f"versions {version}-{top}"
         raise StalenessError(f"{what}'s samples carry weight versions "
-                             f"{sorted(set(stamps.tolist()))}; the engines were sent "
-                             f"version {version}")
+                             f"{sorted(set(stamps.tolist()))}; the engines were sent {sent}")

@@ -59,6 +59,11 @@ class PipelineConfig:
     stale (K >= 1), "none" where they cannot (K = 0). See `algo/off_policy.py`."""
     is_cap: float = 2.0
     """C: the cap on the importance weight pi_old / pi_rollout (>= 1)."""
+    partial_rollouts: bool = True
+    """async mode, multi-turn tasks (chapter 7): a weight push lands while a batch is being
+    generated (the episodes take the new weights at their next engine call; each token keeps
+    the version that made it). False: a push waits for the generation in flight, as in
+    chapter 6. one_step_off and single-turn tasks always wait."""
 
     def __post_init__(self) -> None:
         finite("pipeline", self)

@@ -75,6 +75,11 @@ class RolloutConfig:
     moment its observation arrives (the engine works while other episodes' tools run);
     "turn_sync" waits for every episode's observation before the next turn (reproducible
     call by call, but the engine idles on the slowest tool)."""
+    agent_segment_tokens: int | None = None
+    """Multi-turn tasks: at most this many tokens of a turn per engine call (None: a whole
+    turn per call). A turn cut so goes on at the next call from its tokens so far; in async
+    mode new weights load between calls (`pipeline.partial_rollouts`), so shorter segments
+    let them in sooner, at the cost of more, smaller calls."""
     tensor_parallel_size: int = 1
     """vLLM: GPUs one engine spans. Only 1 for now: an engine over several GPUs needs its
     tensor-parallel groups cut from the trainer's torch.distributed world (vLLM's
@@ -96,6 +101,9 @@ class RolloutConfig:
              "rollout.vllm_kv_cache_mib", f"must be >= 1 or None, got {self.vllm_kv_cache_mib}")
         one_of("rollout.seed_mode", self.seed_mode, SeedMode, "seed mode")
         one_of("rollout.agent_schedule", self.agent_schedule, AgentSchedule, "schedule")
+        need(self.agent_segment_tokens is None or self.agent_segment_tokens >= 1,
+             "rollout.agent_segment_tokens",
+             f"must be >= 1 or None (a whole turn per call), got {self.agent_segment_tokens}")
 
 
 def gpu_memory_share(rollout: RolloutConfig, *, colocated: bool) -> float:
