@@ -94,6 +94,16 @@ class AgentPipelinedTrainer(EpisodeSteps, PipelinedTrainer):
         p = config.pipeline
         self.pushes_mid_generation = p.mode == "async" and p.partial_rollouts
 
+    def _pump(self) -> None:
+        """Chapter 6's pump; before it, with partial rollouts, a push of newer weights while
+        a generation is in flight (it lands between two of its engine calls). One push at a
+        time: while the last one waits for a call boundary, the next waits for a later pump."""
+        busy = self._inflight is not None and not self._inflight.call.done()
+        if busy and self.pushes_mid_generation and self.rollout_version != self.trainer_version \
+                and (self._pushing is None or self._pushing.done()):
+            self._push()
+        super()._pump()
+
     def validate(self) -> dict[str, float]:
         """Episodes on the held-out prompts by the rollout pool, brought to the trainer's
         weights first (`PipelinedTrainer.catch_up`)."""

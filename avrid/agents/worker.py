@@ -143,6 +143,7 @@ class AgentPolicyWorker(PolicyWorker):
                              tokenizer=self.tokenizer, limits=self.limits, config=self.config,
                              stop_ids=self.stop_ids, greedy=greedy, seed=seed,
                              schedule=self.config.rollout.agent_schedule,
+                             segment_tokens=self.config.rollout.agent_segment_tokens,
                              weights=FixedVersion(version))
         handoff.to_trainer(self.engine, keep_weights=self.adapter_sync is not None)
         return result

@@ -297,9 +297,6 @@ class PipelinedTrainer(Trainer):
         and start the next admitted batch. Never waits for a generation."""
         if self._inflight is not None and self._inflight.call.done():
             self._collect()
-        if self._inflight is not None and self.pushes_mid_generation \
-                and self.rollout_version != self.trainer_version:
-            self._push()  # it lands between two engine calls of the generation in flight
         if (self._inflight is not None or self.next_gen >= self.config.train.steps
                 or not self.queue.has_room()):
             return
@@ -335,7 +332,7 @@ class PipelinedTrainer(Trainer):
 
     def _push(self) -> None:
         """Post the trainer's weights to every rollout engine; only with no generation in
-        flight, so a push never cancels one. Nobody waits for it here: the trainer ranks
+        flight (unless `pushes_mid_generation`), so a push never cancels one. Nobody waits for it here: the trainer ranks
         gather, trainer rank 0 posts its broadcasts, and they go on training; the rollout
         ranks receive and load before the next call they are given (a generation, usually
         launched right after), and the driver checks the fingerprints later
