@@ -9,7 +9,8 @@ Two modes:
   and debugger-friendly, but ranks never run at the same time, so collectives are impossible
   (the identity carries no rendezvous and `init_distributed` says so).
 - concurrent: one thread per rank, like one actor per rank. Collectives work (each rank builds
-  its own gloo group object); results are still returned in rank order.
+  its own gloo group object); results are still returned in rank order. A worker's lanes
+  (`Worker.lanes`) get one more thread per rank each, so their methods run beside the rest.
 
 What it cannot show: a worker *process* dying (a crash here takes the driver with it), or
 placement on real resources (bundles are recorded in identities but nothing is reserved).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from avrid.workers.group import WorkerGroup
 from avrid.workers.identity import Rendezvous, WorkerIdentity
 from avrid.workers.outcome import capture, check_outcome, free_port
 from avrid.workers.placement import PlacementPlan, RoleSpec
+from avrid.workers.worker import check_lanes
 
 # How long closing waits for ranks still inside a call (a generate, a forward) to return;
 # short, because a rank stuck for good (a hung reward) is then abandoned anyway.
@@ -39,9 +41,12 @@ _CLOSE_GRACE_S = 5.0
 
 
 class _SequentialChannel:
-    """Runs each call immediately, in the caller's thread; the ticket is the outcome."""
+    """Runs each call immediately, in the caller's thread; the ticket is the outcome. Lanes
+    run inline too: nothing here can overlap, so a lane method never runs beside another call
+    (a worker whose calls wait for each other needs the concurrent mode)."""
 
-    def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity]):
+    def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity],
+                 lanes: Mapping[str, str]):
         self._workers = workers
         self._identities = identities
 
@@ -120,17 +125,24 @@ class _RankThread:
 
 
 class _ThreadChannel:
-    """One thread per rank: calls to one rank run in order, ranks in parallel."""
+    """One thread per rank: calls to one rank run in order, ranks in parallel. Each lane
+    (`Worker.lanes`) adds one thread per rank, which runs that lane's methods in order."""
 
-    def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity]):
+    def __init__(self, workers: Sequence[Any], identities: Sequence[WorkerIdentity],
+                 lanes: Mapping[str, str]):
         self._workers = workers
         self._identities = identities
-        self._threads = [_RankThread(ident.name) for ident in identities]
+        self._lane_of = dict(lanes)
+        self._threads = {lane: [_RankThread(ident.name if lane == "default"
+                                            else f"{ident.name}:{lane}")
+                                for ident in identities]
+                         for lane in ("default", *sorted(set(lanes.values())))}
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Future[Any]:
         fn = getattr(self._workers[rank], method)
-        return self._threads[rank].submit(fn, *args, **kwargs)
+        lane = self._lane_of.get(method, "default")
+        return self._threads[lane][rank].submit(fn, *args, **kwargs)
 
     def wait(self, tickets: Sequence[Future[Any]], ranks: Sequence[int], method: str,
              timeout_s: float | None) -> None:
@@ -167,10 +179,11 @@ class _ThreadChannel:
         # thread still busy in torch, or still tearing down torch's thread-locals, when the
         # interpreter exits aborts the process ("terminate called without an active
         # exception"), so give each a bounded time to end completely first (`join`).
-        for thread in self._threads:
+        threads = [t for lane in self._threads.values() for t in lane]
+        for thread in threads:
             thread.stop()
         deadline = time.monotonic() + _CLOSE_GRACE_S
-        for thread in self._threads:
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
@@ -201,6 +214,7 @@ class InProcessBackend:
         return Cluster(plan, groups, release=lambda: None)
 
     def _start_role(self, plan: PlacementPlan, spec: RoleSpec) -> WorkerGroup:
+        lanes = check_lanes(spec.worker)  # before any rank is built
         # Sequential ranks can never meet, so they get no rendezvous (a lone rank can).
         can_meet = self.concurrent or spec.world_size == 1
         rdv = (Rendezvous(master_addr="127.0.0.1", master_port=free_port(), in_process=True)
@@ -214,5 +228,5 @@ class InProcessBackend:
             identities.append(ident)
         channel_cls = _ThreadChannel if self.concurrent else _SequentialChannel
         return WorkerGroup(role=spec.role, worker_cls=spec.worker, mesh=spec.mesh,
-                           identities=identities, channel=channel_cls(workers, identities),
+                           identities=identities, channel=channel_cls(workers, identities, lanes),
                            call_timeout_s=self.call_timeout_s)

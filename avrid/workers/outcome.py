@@ -6,7 +6,8 @@ rank can be reported the same way whichever backend ran it: one `WorkerError` na
 method and the remote traceback (`check_outcome`). The Ray backend gets the same
 information from Ray's own error types and builds the same `WorkerError` (`ray_backend.py`).
 
-Also `free_port`, used to pick a rendezvous port (below the ephemeral range: see there).
+Also `root_cause` (which of several ranks' failures to report) and `free_port`, used to pick a
+rendezvous port (below the ephemeral range: see there).
 Nothing here imports Ray or torch.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import random
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,17 @@ def check_outcome(value: Any, identity: WorkerIdentity, method: str) -> Any:
                           reason="raised", detail=value.exc_type,
                           remote_traceback=value.traceback)
     return value
+
+
+def root_cause(failures: Sequence[WorkerError]) -> WorkerError:
+    """The failure to report when several ranks failed together (the Ray backend sees them
+    all): a death before an exception (peers of a dead rank fail *because* of it), then the
+    lowest rank; the others are listed in a note."""
+    first = min(failures, key=lambda f: (f.reason != "died", f.rank))
+    others = [f"{f.role}[{f.rank}] {f.reason}" for f in failures if f is not first]
+    if others:
+        first.add_note("other ranks that failed with it: " + ", ".join(others))
+    return first
 
 
 def free_port() -> int:

@@ -15,6 +15,8 @@ when Ray must pickle them: a Ray handle, code from ``__main__``); the reply come
 reported within about a second — even while its peers are blocked in a collective waiting for
 it — and a stuck call ends at its timeout. avrid registers no serializer with Ray (those are
 process-wide and outlive ``ray.shutdown()``): the user's own Ray tasks pickle as without it.
+A worker's lanes (`Worker.lanes`) are Ray concurrency groups of one thread each, so their
+methods run beside the rank's other calls (the default group, still one thread).
 
 Not here: how data is split (chapter 2) or how results are merged (chapter 3).
 """
@@ -41,9 +43,9 @@ from avrid.workers.cluster import Cluster, make_identity
 from avrid.workers.errors import PlacementError, WorkerError
 from avrid.workers.group import WorkerGroup
 from avrid.workers.identity import Rendezvous, WorkerIdentity
-from avrid.workers.outcome import free_port
+from avrid.workers.outcome import free_port, root_cause
 from avrid.workers.placement import PlacementPlan, ResourcePool, RoleSpec
-from avrid.workers.worker import Worker
+from avrid.workers.worker import Worker, check_lanes
 
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None,
@@ -166,25 +168,27 @@ class _RayChannel:
     """Actor handles of one group; gathers outcomes with fail-fast death and error checks."""
 
     def __init__(self, actors: Sequence[Any], identities: Sequence[WorkerIdentity],
-                 poll_s: float, *, wired: bool) -> None:
+                 poll_s: float, *, wired: bool, lanes: dict[str, str]) -> None:
         self.actors = list(actors)
         self._identities = list(identities)
         self._poll_s = poll_s
         self._wired = wired  # the worker class is a `Worker`, so it has `_wire_call`
+        self._lanes = lanes  # method -> its concurrency group (`Worker.lanes`)
 
     def submit(self, rank: int, method: str, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> _Ticket:
-        actor = self.actors[rank]
+        actor, lane = self.actors[rank], self._lanes.get(method)
+        cg = {"concurrency_group": lane} if lane else {}  # a lane's own thread (`Worker.lanes`)
         if not self._wired:  # not a `Worker`: an ordinary actor call, Ray pickles it all
-            return _Ticket(getattr(actor, method).remote(*args, **kwargs), False)
+            return _Ticket(getattr(actor, method).options(**cg).remote(*args, **kwargs), False)
         packed = call_wire.pack((args, kwargs)) if args or kwargs else None
         if packed is not None:  # the arguments as bytes: Ray passes them through untouched
             blob, buffers = packed
-            return _Ticket(actor._wire_call.remote(method, blob, *buffers), True)
+            return _Ticket(actor._wire_call.options(**cg).remote(method, blob, *buffers), True)
         # No arguments, or ones Ray must pickle: a Ray handle (Ray resolves ObjectRefs among
         # the arguments before the method runs), a lambda, code from __main__.
         try:
-            return _Ticket(actor._plain_call.remote(method, *args, **kwargs), True)
+            return _Ticket(actor._plain_call.options(**cg).remote(method, *args, **kwargs), True)
         except TypeError as exc:  # neither pickler can carry an argument: nothing ran
             ident, cause = self._identities[rank], exc.__cause__ or exc
             raise TypeError(f"{ident.role}.{method}() was not called: an argument cannot be "
@@ -209,7 +213,7 @@ class _RayChannel:
                 # failures one more slice to land, then report the root cause.
                 more, _ = ray.wait(pending, num_returns=len(pending), timeout=self._poll_s)
                 failures += [f for t in more if (f := self._failure(t, rank_of[t], method))]
-                raise _root_cause(failures)
+                raise root_cause(failures)
             if deadline is not None and time.monotonic() >= deadline:
                 late = sorted(rank_of[t] for t in pending)
                 ident = self._identities[late[0]]
@@ -225,7 +229,7 @@ class _RayChannel:
         except ray.exceptions.RayError:  # someone failed: find out who, and the root cause
             failures = [f for t, r in zip(tickets, ranks, strict=True)
                         if (f := self._failure(t.ref, r, method))]
-            raise _root_cause(failures) from None
+            raise root_cause(failures) from None
         values = []
         for t, reply, rank in zip(tickets, replies, ranks, strict=True):
             try:
@@ -298,6 +302,8 @@ class RayBackend:
         if not ray.is_initialized():
             raise RuntimeError("Ray is not running: call avrid.workers.start_ray() (or "
                                "ray.init()) before RayBackend().launch()")
+        for spec in plan.roles:  # a bad `Worker.lanes` fails before anything is reserved
+            check_lanes(spec.worker)
         _check_fits(plan)
         pgs: dict[str, PlacementGroup] = {}
         groups: dict[str, WorkerGroup] = {}
@@ -351,14 +357,17 @@ class RayBackend:
         rdv = ray.get(_rendezvous_here.options(scheduling_strategy=in_bundle(slots[0].bundle))
                       .remote(), timeout=self.start_timeout_s)
         planned = [make_identity(spec, slot, rdv) for slot in slots]
-        # Each rank is an actor of the worker class itself: calls are its real methods.
-        actor_cls = ray.remote(spec.worker)
+        # Each rank is an actor of the worker class itself: calls are its real methods. Each
+        # lane is a concurrency group of one thread (which Ray takes here, not in .options()).
+        lanes = check_lanes(spec.worker)
+        actor_cls = ray.remote(spec.worker) if not lanes else ray.remote(
+            concurrency_groups=dict.fromkeys(lanes.values(), 1))(spec.worker)
         actors = [actor_cls.options(num_cpus=slot.cpus, num_gpus=slot.gpus,
                                     scheduling_strategy=in_bundle(slot.bundle))
                   .remote(ident, **spec.init_kwargs)
                   for slot, ident in zip(slots, planned, strict=True)]
         wired = issubclass(spec.worker, Worker)  # `Worker._wire_call` packs calls and replies
-        channel = _RayChannel(actors, planned, self.poll_s, wired=wired)
+        channel = _RayChannel(actors, planned, self.poll_s, wired=wired, lanes=lanes)
         try:
             placed = [_Ticket(a.__ray_call__.remote(_record_placement), False) for a in actors]
             identities = channel.gather(placed, range(len(slots)), "__init__",
@@ -366,20 +375,10 @@ class RayBackend:
         except BaseException:
             channel.close()
             raise
+        channel._identities = list(identities)  # now with where each rank landed
         return WorkerGroup(role=spec.role, worker_cls=spec.worker, mesh=spec.mesh,
-                           identities=identities,
-                           channel=_RayChannel(actors, identities, self.poll_s, wired=wired),
+                           identities=identities, channel=channel,
                            call_timeout_s=self.call_timeout_s)
-
-
-def _root_cause(failures: Sequence[WorkerError]) -> WorkerError:
-    """The failure to report when several ranks failed together: a death before an exception
-    (peers of a dead rank fail *because* of it), then the lowest rank; the others are listed."""
-    first = min(failures, key=lambda f: (f.reason != "died", f.rank))
-    others = [f"{f.role}[{f.rank}] {f.reason}" for f in failures if f is not first]
-    if others:
-        first.add_note("other ranks that failed with it: " + ", ".join(others))
-    return first
 
 
 def _check_fits(plan: PlacementPlan) -> None:

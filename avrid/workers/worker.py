@@ -9,13 +9,18 @@ The one service the base class gives is `init_distributed`: joining the group's
 torch.distributed process group from the rendezvous in the identity, the same way on Ray
 (one process per rank, the standard default group) and in-process (ranks are threads, so each
 builds its own gloo group object). Worker code then always passes ``group=self.process_group``.
+
+A rank runs one call at a time, in order, unless its class declares *lanes* (`Worker.lanes`,
+checked at launch by `check_lanes`): methods that run on a thread of their own, beside the
+rank's other calls (a weight push landing while a generate runs, chapter 7).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from avrid.workers.identity import WorkerIdentity
 
@@ -32,6 +37,19 @@ class Worker:
         ...         return f"{greeting} from {self.identity.name}"
         >>> Echo(WorkerIdentity(role="echo", rank=0, world_size=1)).hello("hi")
         'hi from echo[0]'
+    """
+
+    lanes: ClassVar[Mapping[str, str]] = {}
+    """Method name -> lane name. A lane is one more thread of each rank: the methods on one
+    lane run in order, one at a time, but concurrently with the rank's other calls (which
+    all run on the default lane, in order, as without lanes). The worker must make its lane
+    methods safe to run beside the others (its own locks and events). Lane names are
+    non-empty strings other than "default"; an empty mapping (the default) changes nothing.
+
+    Example::
+
+        class Rollout(Worker):
+            lanes = {"receive_weights": "weights"}   # lands while `generate` runs
     """
 
     def __init__(self, identity: WorkerIdentity) -> None:
@@ -140,3 +158,28 @@ class Worker:
         if self._process_group is dist.group.WORLD:
             dist.destroy_process_group()
         self._process_group = None
+
+
+def check_lanes(worker_cls: type) -> dict[str, str]:
+    """`worker_cls`'s lanes (`Worker.lanes`; a class without the attribute has none), checked:
+    each key names a method of the class, each lane is a non-empty str other than "default"
+    (nor starting with "_ray", Ray's own groups). Both backends call this at launch.
+
+    Raises:
+        ValueError: a declaration that breaks these rules, naming the class and the method.
+    """
+    lanes = getattr(worker_cls, "lanes", {})
+    name = worker_cls.__name__
+    if not isinstance(lanes, Mapping):
+        raise ValueError(f"{name}.lanes must map method names to lane names, got "
+                         f"{type(lanes).__name__}")
+    for method, lane in lanes.items():
+        if not isinstance(method, str) or not callable(getattr(worker_cls, method, None)):
+            raise ValueError(f"{name}.lanes names {method!r}, which is not a method of "
+                             f"{name}; the keys must be its method names")
+        if (not isinstance(lane, str) or not lane or lane == "default"
+                or lane.startswith("_ray")):
+            raise ValueError(f"{name}.lanes puts {method!r} on lane {lane!r}; a lane is a "
+                             f"non-empty str other than 'default' (and not starting with "
+                             f"'_ray'); leave a method out to keep it on the default lane")
+    return dict(lanes)
