@@ -36,7 +36,7 @@ pytestmark = pytest.mark.chapter(7)
 
 def test_a_delivery_during_a_generation_loads_at_the_next_engine_call() -> None:
     box, loaded, got = WeightMailbox(version=0), [], []
-    box.begin()
+    box.begin(0, timeout_s=1)
     receiver = threading.Thread(target=lambda: got.append(
         box.deliver(1, lambda: loaded.append("v1") or "sums", timeout_s=10)))
     receiver.start()
@@ -55,7 +55,7 @@ def test_with_no_generation_a_delivery_loads_at_once_and_the_end_installs_what_w
     with pytest.raises(RuntimeError, match="no weights received yet"):
         box.poll()
     assert box.deliver(0, lambda: "now", timeout_s=1) == "now" and box.poll() == 0
-    box.begin()
+    box.begin(0, timeout_s=1)
     got = []
     receiver = threading.Thread(target=lambda: got.append(box.deliver(
         3, lambda: "at the end", timeout_s=10)))
@@ -65,6 +65,20 @@ def test_with_no_generation_a_delivery_loads_at_once_and_the_end_installs_what_w
     box.end()  # the generation ended before another engine call
     receiver.join(10)
     assert got == ["at the end"] and box.version == 3
+
+
+def test_a_generation_launched_after_a_push_starts_from_its_weights() -> None:
+    # On Ray the receive runs on the "weights" lane, so the generation launched after the
+    # push may start before it loaded (seen: a batch launched at version 1 made by 0).
+    box = WeightMailbox(version=0)
+    receiver = threading.Timer(0.2, lambda: box.deliver(1, lambda: None, timeout_s=10))
+    receiver.start()
+    box.begin(1, timeout_s=10)  # waits for the push, then the generation runs
+    assert box.poll() == 1
+    box.end()
+    receiver.join()
+    with pytest.raises(TimeoutError, match="push of version 2, which did not load within"):
+        box.begin(2, timeout_s=0.05)
 
 
 def test_an_install_error_reaches_the_receiver_and_a_late_boundary_times_out() -> None:
@@ -79,7 +93,7 @@ def test_an_install_error_reaches_the_receiver_and_a_late_boundary_times_out() -
         except ValueError as e:
             errors.append(str(e))
 
-    box.begin()
+    box.begin(0, timeout_s=1)
     receiver = threading.Thread(target=receive)
     receiver.start()
     while box.waiting is None:
@@ -189,6 +203,7 @@ def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
     assert batch.scalars["version"].tolist() == [0] * 16  # each sample's oldest token
     assert metrics["pipeline/staleness_token_max"] == 1.0
     assert 0.0 < metrics["pipeline/staleness_token_mean"] < 1.0
+    assert metrics["pipeline/spanning_share"] == 1.0  # every episode took the push mid-way
     # Every token's log-prob is its version's: version 1 is what the trainer holds now (the
     # batch's old_logp), version 0 the initial weights.
     rollout, old = batch.packed["rollout_logp"].values, batch.packed["old_logp"].values

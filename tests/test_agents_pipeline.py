@@ -67,6 +67,7 @@ def test_one_step_off_episodes_are_one_version_old_token_by_token() -> None:
     # Step 0 trains on the initial weights' episodes; from step 1 on, on episodes made by the
     # weights one update behind — every policy token says so, and no episode is dropped.
     assert [r["pipeline/staleness_token_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert [r["pipeline/spanning_share"] for r in steps] == [0.0] * 3  # pushes waited
     for step, batch in enumerate(batches):
         mask = batch.packed["action_mask"].values == 1
         versions = batch.packed["token_version"].values

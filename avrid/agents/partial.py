@@ -34,7 +34,7 @@ class WeightMailbox:
     """Hands received weights from the receiving thread to the generating one (a
     `WeightSource` for `run_episodes`).
 
-    Example (one thread plays both parts: no generation runs, so delivery installs at once):
+    Example (one thread plays both parts: no generation runs, so a delivery installs at once):
         >>> box = WeightMailbox(version=0)
         >>> box.deliver(1, lambda: "loaded", timeout_s=1.0)
         'loaded'
@@ -46,6 +46,7 @@ class WeightMailbox:
         self.version = version
         """The version the engine holds (None: none received yet)."""
         self._lock = threading.Lock()
+        self._loaded = threading.Condition(self._lock)  # notified whenever a version loads
         self._generating = False
         self._staged: _Delivery | None = None
 
@@ -55,9 +56,17 @@ class WeightMailbox:
         staged = self._staged
         return None if staged is None else staged.version
 
-    def begin(self) -> None:
-        """A generation starts: from now on a delivery waits for a call boundary."""
+    def begin(self, min_version: int, *, timeout_s: float) -> None:
+        """A generation launched after the push of `min_version` starts: first wait until
+        that push has loaded (it is received on another thread, so it may still be on its
+        way), then from now on a delivery waits for a call boundary."""
         with self._lock:
+            ok = self._loaded.wait_for(
+                lambda: self.version is not None and self.version >= min_version, timeout_s)
+            if not ok:
+                raise TimeoutError(f"the generation was launched after the push of version "
+                                   f"{min_version}, which did not load within {timeout_s} s "
+                                   f"(the engine holds version {self.version})")
             self._generating = True
 
     def poll(self) -> int:
@@ -119,6 +128,7 @@ class _Delivery:
         try:
             self._value = self.install()
             box.version = self.version
+            box._loaded.notify_all()  # the caller holds the box's lock
         except BaseException as e:  # the receiving thread's caller reports it
             self._error = e
         self.done.set()

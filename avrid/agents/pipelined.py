@@ -63,15 +63,13 @@ class AgentRolloutWorker(RolloutWorker):
         return self.mailbox.deliver(version, lambda: self._install(full, version, start),
                                     timeout_s=self._timeout_s)
 
-    def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,
-                 seed: int) -> WorkerResult:
+    def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool, seed: int,
+                 min_version: int = 0) -> WorkerResult:
         """One episode per prompt of the shard, every policy token stamped with the weight
         version that generated it ("token_version") and each sample with its oldest
-        ("version")."""
-        if self.mailbox.version is None:
-            raise RuntimeError(f"{self.identity.name}: no weights received yet; the driver "
-                               f"pushes them before the first generation")
-        self.mailbox.begin()
+        ("version"). `min_version`: the version pushed before this call (its receive runs on
+        the "weights" lane, so it may land after this call starts: it is waited for)."""
+        self.mailbox.begin(min_version, timeout_s=self._timeout_s)
         try:
             return agent_shard(self.engine, shard, self.identity, task=self.task,
                                tokenizer=self.tokenizer, limits=self.limits,
@@ -93,6 +91,11 @@ class AgentPipelinedTrainer(EpisodeSteps, PipelinedTrainer):
         check_agent_task(self.task, config)
         p = config.pipeline
         self.pushes_mid_generation = p.mode == "async" and p.partial_rollouts
+
+    def sampling(self, step: int, round: int = 0) -> dict[str, int | bool]:
+        """Chapter 5's sampling arguments, plus the version the rollout engines were last
+        pushed: the generation starts from it (`AgentRolloutWorker.generate`)."""
+        return {**super().sampling(step, round), "min_version": self.rollout_version or 0}
 
     def _pump(self) -> None:
         """Chapter 6's pump; before it, with partial rollouts, a push of newer weights while

@@ -332,11 +332,11 @@ class PipelinedTrainer(Trainer):
 
     def _push(self) -> None:
         """Post the trainer's weights to every rollout engine; only with no generation in
-        flight (unless `pushes_mid_generation`), so a push never cancels one. Nobody waits for it here: the trainer ranks
-        gather, trainer rank 0 posts its broadcasts, and they go on training; the rollout
-        ranks receive and load before the next call they are given (a generation, usually
-        launched right after), and the driver checks the fingerprints later
-        (`_settle_push`), before any batch made with them."""
+        flight (unless `pushes_mid_generation`): a push never cancels one. Nobody waits for
+        it here: the trainer ranks gather, rank 0 posts its broadcasts, and they go on
+        training; the rollout ranks receive and load before the next call they are given (a
+        generation, usually launched right after), and the driver checks the fingerprints
+        later (`_settle_push`), before any batch made with them."""
         if self._inflight is not None and not self.pushes_mid_generation:
             raise StalenessError("a weight push was started while a generation is in flight")
         self._settle_push(wait=True)  # the previous push, long finished: check it first

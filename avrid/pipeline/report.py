@@ -45,7 +45,8 @@ from avrid.workers import WorkerIdentity
 def staleness(batch: Batch, version: int) -> dict[str, float]:
     """Trainer version `version` minus each sample's "version" stamp: max and mean; with a
     per-token "token_version" column (chapter 7's episodes), the same over action tokens
-    (`pipeline/staleness_token_*`: a token is as old as the weights that generated it)."""
+    (`pipeline/staleness_token_*`: a token is as old as the weights that generated it), and
+    the share of samples whose tokens span versions (`pipeline/spanning_share`)."""
     stale = (version - batch.scalars["version"]).double()
     out = {"pipeline/staleness_max": float(stale.max()) if len(stale) else 0.0,
            "pipeline/staleness_mean": float(stale.mean()) if len(stale) else 0.0}
@@ -54,6 +55,12 @@ def staleness(batch: Batch, version: int) -> dict[str, float]:
         tokens = (version - padded(batch, "token_version")[mask]).double()
         out["pipeline/staleness_token_max"] = float(tokens.max()) if tokens.numel() else 0.0
         out["pipeline/staleness_token_mean"] = float(tokens.mean()) if tokens.numel() else 0.0
+        # Samples whose tokens span versions: a push landed while they were generated.
+        versions = padded(batch, "token_version")
+        newest = versions.masked_fill(~mask, -torch.inf).max(dim=1).values
+        oldest = versions.masked_fill(~mask, torch.inf).min(dim=1).values
+        spanning = (newest > oldest).double()
+        out["pipeline/spanning_share"] = float(spanning.mean()) if len(spanning) else 0.0
     return out
 
 
