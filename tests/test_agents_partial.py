@@ -225,3 +225,32 @@ def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
         row = batch.packed["token_version"].row(i)
         acts = row[batch.packed["action_mask"].row(i) == 1].tolist()
         assert acts == sorted(acts) and acts[0] == 0 and acts[-1] == 1
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_async_episodes_on_ray_take_pushes_on_the_weights_lane() -> None:
+    # On Ray the lane is an actor concurrency group: the push is received while `generate`
+    # runs, and a generation launched after a push starts from it (the driver's stamp check,
+    # `check_stamps`, would raise otherwise). Timing decides where pushes land, so this checks
+    # what holds wherever they do.
+    from avrid.agents import AgentPipelinedTrainer
+    from avrid.ppo.setup.overrides import with_overrides
+    from avrid.ppo.setup.presets import preset
+
+    cfg = with_overrides(preset("tiny-agent"), [
+        "placement.backend=ray", "placement.actor_dp=1", "placement.critic_dp=1",
+        "pipeline.mode=async", "pipeline.max_staleness=2", "pipeline.rollout_dp=1",
+        "rollout.agent_segment_tokens=2", "train.prompts_per_step=4",
+        "algo.responses_per_prompt=4", "train.mini_batch_size=16", "train.val_prompts=8",
+        "train.steps=6", "train.progress=false"])
+    with AgentPipelinedTrainer(cfg) as tr:
+        tr.start()
+        steps = [tr.train_step(step) for step in range(cfg.train.steps)]
+    for step, (metrics, batch) in enumerate(steps):
+        assert metrics["pipeline/staleness_token_max"] <= 2 and len(batch) == 16
+        mask = batch.packed["action_mask"]
+        versions = batch.packed["token_version"]
+        for i in range(len(batch)):
+            acts = versions.row(i)[mask.row(i) == 1].tolist()
+            assert acts == sorted(acts) and acts[0] == int(batch.scalars["version"][i])
+            assert acts[-1] <= step  # never newer than the trainer when it trained
