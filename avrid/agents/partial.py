@@ -97,7 +97,7 @@ class WeightMailbox:
                 raise RuntimeError(f"weights of version {self._staged.version} are still "
                                    f"waiting to load; pushes land one at a time")
             if not self._generating:
-                delivery.run(self)
+                self._load(delivery)
                 return delivery.result()
             self._staged = delivery
         if not delivery.done.wait(timeout_s):
@@ -112,7 +112,18 @@ class WeightMailbox:
     def _install_staged(self) -> None:
         staged, self._staged = self._staged, None
         if staged is not None:
-            staged.run(self)
+            self._load(staged)
+
+    def _load(self, delivery: _Delivery) -> None:
+        """Run a delivery's install (the caller holds the lock); on success the engine holds
+        its version, and whoever waits for a version is woken."""
+        try:
+            delivery.value = delivery.install()
+            self.version = delivery.version
+            self._loaded.notify_all()
+        except BaseException as e:  # the receiving thread's caller reports it
+            delivery.error = e
+        delivery.done.set()
 
 
 class _Delivery:
@@ -121,19 +132,10 @@ class _Delivery:
     def __init__(self, *, version: int, install: Callable[[], Any]) -> None:
         self.version, self.install = version, install
         self.done = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def run(self, box: WeightMailbox) -> None:
-        try:
-            self._value = self.install()
-            box.version = self.version
-            box._loaded.notify_all()  # the caller holds the box's lock
-        except BaseException as e:  # the receiving thread's caller reports it
-            self._error = e
-        self.done.set()
+        self.value: Any = None
+        self.error: BaseException | None = None
 
     def result(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
+        if self.error is not None:
+            raise self.error
+        return self.value
