@@ -93,6 +93,10 @@ def _rank(rank: int, port: int, out: str) -> None:
         result[tied] = {"grads": optimizer.grads, "logps": logps,
                         "sharded": any(hasattr(p, "full_tensor") for p in model.parameters())}
     torch.save(result, Path(out) / f"rank{rank}.pt")
+    # The last sharded model dropped and both ranks past a barrier before the group goes:
+    # otherwise gloo sometimes aborts at exit (SIGABRT; see test_ppo_activation_checkpointing).
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 
