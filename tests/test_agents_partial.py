@@ -204,6 +204,8 @@ def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
     assert metrics["pipeline/staleness_token_max"] == 1.0
     assert 0.0 < metrics["pipeline/staleness_token_mean"] < 1.0
     assert metrics["pipeline/spanning_share"] == 1.0  # every episode took the push mid-way
+    for half in ("short", "long"):  # every episode has tokens of both versions
+        assert 0.0 < metrics[f"pipeline/staleness_token_mean_{half}"] < 1.0
     # Every token's log-prob is its version's: version 1 is what the trainer holds now (the
     # batch's old_logp), version 0 the initial weights.
     rollout, old = batch.packed["rollout_logp"].values, batch.packed["old_logp"].values

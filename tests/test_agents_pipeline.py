@@ -68,6 +68,8 @@ def test_one_step_off_episodes_are_one_version_old_token_by_token() -> None:
     # weights one update behind — every policy token says so, and no episode is dropped.
     assert [r["pipeline/staleness_token_max"] for r in steps] == [0.0, 1.0, 1.0]
     assert [r["pipeline/spanning_share"] for r in steps] == [0.0] * 3  # pushes waited
+    for half in ("short", "long"):  # a batch of one version is as old at every length
+        assert [r[f"pipeline/staleness_token_mean_{half}"] for r in steps] == [0.0, 1.0, 1.0]
     for step, batch in enumerate(batches):
         mask = batch.packed["action_mask"].values == 1
         versions = batch.packed["token_version"].values

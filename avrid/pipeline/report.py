@@ -3,7 +3,8 @@
 `PipelinedTrainer` (driver.py) hands these functions what it saw during a step and gets back
 its ``pipeline/`` metrics, the push metrics and the step's timeline:
 
-    staleness        how many versions old the step's samples were (max, mean)
+    staleness        how many versions old the step's samples were (max, mean); with
+                     per-token versions (chapter 7) also per token, and by trajectory length
     off_policy       the importance weights pi_old / pi_rollout of the batch
                      (`algo/off_policy.py`), even when no correction applies them
     pushes           the bytes each rollout rank received in this step's pushes, and their
@@ -61,6 +62,36 @@ def staleness(batch: Batch, version: int) -> dict[str, float]:
         oldest = versions.masked_fill(~mask, torch.inf).min(dim=1).values
         spanning = (newest > oldest).double()
         out["pipeline/spanning_share"] = float(spanning.mean()) if len(spanning) else 0.0
+        out.update(staleness_by_length(batch, versions, mask, version))
+    return out
+
+
+def staleness_by_length(batch: Batch, versions: torch.Tensor, mask: torch.Tensor,
+                        version: int) -> dict[str, float]:
+    """Mean token staleness of the shorter and the longer half of the batch's samples (by
+    response length; the middle sample of an odd batch counts in both).
+
+    A batch's episodes all start from the weights it was launched with; a push that lands
+    mid-generation (chapter 7's partial rollouts) reaches only the later tokens of the long
+    ones, so they come out fresher on average. Nothing is dropped for age (a batch is
+    bounded by K at admission and trained whole), so no length is under-represented by a
+    drop; these two show how age differs with length.
+
+    Example:
+        >>> b = Batch.from_rows(sample_ids=[0, 1], prompt_lens=[1, 1], response_lens=[1, 3],
+        ...     packed={"tokens": [torch.tensor([5, 6]), torch.tensor([5, 6, 7, 8])],
+        ...             "token_version": [torch.tensor([2]), torch.tensor([0, 1, 2])]})
+        >>> m = action_mask(b).bool()
+        >>> staleness_by_length(b, padded(b, "token_version"), m, 2)
+        {'pipeline/staleness_token_mean_short': 0.0, 'pipeline/staleness_token_mean_long': 1.0}
+    """
+    order = torch.argsort(batch.response_lens, stable=True)
+    halves = {"short": order[:(len(order) + 1) // 2], "long": order[len(order) // 2:]}
+    out = {}
+    for name, rows in halves.items():
+        ages = (version - versions[rows])[mask[rows]].double()
+        out[f"pipeline/staleness_token_mean_{name}"] = float(ages.mean()) if ages.numel() \
+            else 0.0
     return out
 
 
