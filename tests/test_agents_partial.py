@@ -157,11 +157,17 @@ def make_task(**options: object) -> HeldCalc:
     return HeldCalc(**options)  # type: ignore[arg-type]
 
 
-def held_config(monkeypatch: pytest.MonkeyPatch, engine: str, *more: str):  # noqa: ANN201
-    """An async run (K = 2, in process, 16 episodes a step) whose second training generation
-    is held at its first tool step until a push waits (`_Gate`)."""
+@pytest.mark.parametrize("engine", [
+    "torch",
+    # vLLM's CPU build (the vllm tier): 2 heads of 64, the head size its attention supports.
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(600)])])
+def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
+        monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    from avrid.agents import AgentPipelinedTrainer
+    from avrid.ppo.engines.models import initial_policy
     from avrid.ppo.setup.overrides import with_overrides
     from avrid.ppo.setup.presets import preset
+    from tests.helpers import trainer_logprobs
 
     generate = AgentRolloutWorker.generate
 
@@ -177,27 +183,14 @@ def held_config(monkeypatch: pytest.MonkeyPatch, engine: str, *more: str):  # no
 
     monkeypatch.setattr(AgentRolloutWorker, "generate", counted)
     monkeypatch.setattr(GATE, "generations", 0)
-    return with_overrides(preset("tiny-agent"), [
+    cfg = with_overrides(preset("tiny-agent"), [
         "task.name=tests.test_agents_partial:make_task", "placement.backend=inprocess",
         "placement.actor_dp=1", "placement.critic_dp=1", "pipeline.mode=async",
         "pipeline.max_staleness=2", "pipeline.rollout_dp=1", "train.prompts_per_step=4",
         "algo.responses_per_prompt=4", "train.mini_batch_size=16", "train.val_prompts=8",
         "train.steps=2", "rollout.agent_schedule=turn_sync", "train.actor_lr=0.01",
         f"rollout.engine={engine}",
-        *(["model.hidden_size=128", "model.num_heads=2"] if engine == "vllm" else []), *more])
-
-
-@pytest.mark.parametrize("engine", [
-    "torch",
-    # vLLM's CPU build (the vllm tier): 2 heads of 64, the head size its attention supports.
-    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(600)])])
-def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
-        monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
-    from avrid.agents import AgentPipelinedTrainer
-    from avrid.ppo.engines.models import initial_policy
-    from tests.helpers import trainer_logprobs
-
-    cfg = held_config(monkeypatch, engine)
+        *(["model.hidden_size=128", "model.num_heads=2"] if engine == "vllm" else [])])
     with AgentPipelinedTrainer(cfg) as tr:
         tr.start()
         assert tr.pushes_mid_generation
@@ -211,7 +204,6 @@ def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
     assert metrics["pipeline/staleness_token_max"] == 1.0
     assert 0.0 < metrics["pipeline/staleness_token_mean"] < 1.0
     assert metrics["pipeline/spanning_share"] == 1.0  # every episode took the push mid-way
-    assert metrics["pipeline/dropped_share"] == 0.0 and metrics["pipeline/regenerated"] == 0.0
     for half in ("short", "long"):  # every episode has tokens of both versions
         assert 0.0 < metrics[f"pipeline/staleness_token_mean_{half}"] < 1.0
     # Every token's log-prob is its version's: version 1 is what the trainer holds now (the
@@ -235,30 +227,6 @@ def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
         row = batch.packed["token_version"].row(i)
         acts = row[batch.packed["action_mask"].row(i) == 1].tolist()
         assert acts == sorted(acts) and acts[0] == 0 and acts[-1] == 1
-
-
-def test_drop_older_than_drops_old_samples_and_regenerates_an_emptied_step(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # D = 0: step 1's episodes all took the push mid-way, so each has version-0 tokens and
-    # trains at version 1: all 16 are dropped, and the step's prompts are generated again
-    # with the trainer's weights (version 1), which it trains on at staleness 0.
-    from avrid.agents import AgentPipelinedTrainer
-
-    cfg = held_config(monkeypatch, "torch", "pipeline.drop_older_than=0")
-    with AgentPipelinedTrainer(cfg) as tr:
-        tr.start()
-        first, _ = tr.train_step(0)  # the initial weights' batch at version 0: kept
-        metrics, batch = tr.train_step(1)
-        ids = tr.step_prompts(1).sample_ids
-    assert first["pipeline/dropped_share"] == 0.0 and first["pipeline/regenerated"] == 0.0
-    assert metrics["pipeline/dropped_share"] == 1.0 and metrics["pipeline/regenerated"] == 1.0
-    assert metrics["pipeline/dropped_share_short"] == metrics["pipeline/dropped_share_long"] == 1.0
-    assert GATE.generations == 3  # step 0's, step 1's (dropped), step 1's again
-    mask = batch.packed["action_mask"].values == 1
-    assert set(batch.packed["token_version"].values[mask].tolist()) == {1}
-    assert batch.scalars["version"].tolist() == [1] * 16
-    assert torch.equal(batch.sample_ids, ids)  # the step's own prompts, generated again
-    assert metrics["pipeline/staleness_token_max"] == 0.0
 
 
 @pytest.mark.usefixtures("ray_cluster")

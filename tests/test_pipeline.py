@@ -253,9 +253,6 @@ def test_the_push_plan_moves_the_lower_bound_from_fsdp_shards() -> None:
     (["pipeline.mode=bogus"], "pipeline.mode"),
     (["pipeline.correction=is"], "pipeline.correction"),
     (["pipeline.is_cap=0.5"], "pipeline.is_cap"),
-    (["pipeline.mode=one_step_off", "pipeline.drop_older_than=0"], "pipeline.drop_older_than"),
-    (["pipeline.mode=async", "pipeline.drop_older_than=2"], "pipeline.drop_older_than"),
-    (["pipeline.mode=async", "pipeline.drop_older_than=-1"], "pipeline.drop_older_than"),
     (["placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
       "pipeline.mode=async", "pipeline.rollout_dp=2"], "pipeline.rollout_dp"),
 ])
@@ -279,10 +276,6 @@ def test_the_sync_trainer_refuses_another_mode() -> None:
         Trainer(config("pipeline.mode=one_step_off", "pipeline.rollout_dp=1"))
     with pytest.raises(ValueError, match="synchronous loop is avrid.ppo's Trainer"):
         PipelinedTrainer(config())
-    # dropping by a sample's oldest token is chapter 7's (single-turn samples have one version)
-    with pytest.raises(ValueError, match="drop_older_than is for multi-turn tasks"):
-        PipelinedTrainer(config("pipeline.mode=async", "pipeline.rollout_dp=1",
-                                "pipeline.drop_older_than=1"))
 
 
 # ---- failures -------------------------------------------------------------------------------

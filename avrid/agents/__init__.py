@@ -13,9 +13,8 @@ Read in this order:
 7. worker.py        multi-turn rollouts on a policy rank (chapter 5's worker, one method)
 8. trainer.py       chapter 5's loop on episodes: no reward call, episode metrics
 9. partial.py       partial rollouts: weights pushed mid-generation load between engine calls
-10. drop.py         opt-in: samples older than pipeline.drop_older_than dropped, by length
-11. pipelined.py    the same in chapter 6's modes: a rollout pool running episodes
-12. gsm8k_tool.py   the real-model recipe: GSM8K with a Python tool (Qwen's tool markers)
+10. pipelined.py    the same in chapter 6's modes: a rollout pool running episodes
+11. gsm8k_tool.py   the real-model recipe: GSM8K with a Python tool (Qwen's tool markers)
 
 `make_trainer` picks the trainer for a config, `train` is what ``avrid ppo`` calls.
 

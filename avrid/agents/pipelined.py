@@ -29,17 +29,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from avrid.agents.drop import drop_stale
 from avrid.agents.partial import WeightMailbox
 from avrid.agents.trainer import EpisodeSteps, check_agent_task
 from avrid.agents.worker import agent_shard, agent_task, episode_limits
-from avrid.dispatch import Batch, Shard
+from avrid.dispatch import Shard
 from avrid.pipeline import PipelinedTrainer
 from avrid.pipeline.rollout import Received, RolloutWorker
-from avrid.ppo.data.columns import with_responses
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.tokenizer import make_tokenizer
-from avrid.results import Merged, Phases, WorkerResult
+from avrid.results import WorkerResult
 from avrid.workers import WorkerIdentity
 
 
@@ -87,41 +85,17 @@ class AgentPipelinedTrainer(EpisodeSteps, PipelinedTrainer):
     """Chapter 6's pipelined trainer over multi-turn episodes (see the module docstring)."""
 
     rollout_worker = AgentRolloutWorker
-    drops_stale_samples = True
 
     def __init__(self, config: PPOConfig) -> None:
         super().__init__(config)
         check_agent_task(self.task, config)
         p = config.pipeline
         self.pushes_mid_generation = p.mode == "async" and p.partial_rollouts
-        self._drops: dict[str, float] = {}  # the last step's (`drop.drop_stale`)
 
     def sampling(self, step: int, round: int = 0) -> dict[str, int | bool]:
         """Chapter 5's sampling arguments, plus the version the rollout engines were last
         pushed: the generation starts from it (`AgentRolloutWorker.generate`)."""
         return {**super().sampling(step, round), "min_version": self.rollout_version or 0}
-
-    def learn(self, step: int, batch: Batch, phases: Phases) -> tuple[Batch, list[Merged]]:
-        """Chapter 5's learning on the batch without its samples older than
-        `pipeline.drop_older_than` (`drop.py`; unset, none is dropped). A step left with no
-        sample generates its prompts again with the trainer's weights (`generate_round`, as
-        dynamic sampling's extra rounds are) and learns from those."""
-        batch, self._drops = drop_stale(batch, self.trainer_version,
-                                        self.config.pipeline.drop_older_than)
-        again = []
-        if len(batch) == 0:
-            with phases("regenerate"):
-                prompts = self.step_prompts(step)
-                gen = self.generate_round(prompts, self.sampling(step))
-                batch = with_responses(prompts, gen.batch)
-            again.append(phases.add(gen))
-        self._drops["pipeline/regenerated"] = float(len(again))
-        batch, merged = super().learn(step, batch, phases)
-        return batch, [*again, *merged]
-
-    def _pipeline_metrics(self, batch: Batch, phases: Phases,
-                          version: int) -> dict[str, float]:
-        return {**super()._pipeline_metrics(batch, phases, version), **self._drops}
 
     def _pump(self) -> None:
         """Chapter 6's pump; before it, with partial rollouts, a push of newer weights while

@@ -119,14 +119,11 @@ class PipelinedTrainer(Trainer):
     pushes_mid_generation = False
     """Whether a push may land while a batch is generated (chapter 7's partial rollouts: its
     rollout worker takes weights between two engine calls); chapter 6's waits for it."""
-    drops_stale_samples = False  # `pipeline.drop_older_than`: chapter 7's trainer applies it
 
     def __init__(self, config: PPOConfig) -> None:
         if not config.pipeline.disaggregated:
             raise ValueError("PipelinedTrainer runs pipeline.mode 'one_step_off' or 'async'; "
                              "the synchronous loop is avrid.ppo's Trainer")
-        if config.pipeline.drop_older_than is not None and not self.drops_stale_samples:
-            raise ValueError("pipeline.drop_older_than is for multi-turn tasks (chapter 7) only")
         super().__init__(config)
         k = config.pipeline.staleness_bound
         self.gate = StalenessGate(max_staleness=k, capacity=max(1, k),

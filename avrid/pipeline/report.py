@@ -85,27 +85,14 @@ def staleness_by_length(batch: Batch, versions: torch.Tensor, mask: torch.Tensor
         >>> staleness_by_length(b, padded(b, "token_version"), m, 2)
         {'pipeline/staleness_token_mean_short': 0.0, 'pipeline/staleness_token_mean_long': 1.0}
     """
+    order = torch.argsort(batch.response_lens, stable=True)
+    halves = {"short": order[:(len(order) + 1) // 2], "long": order[len(order) // 2:]}
     out = {}
-    for name, rows in length_halves(batch).items():
+    for name, rows in halves.items():
         ages = (version - versions[rows])[mask[rows]].double()
         out[f"pipeline/staleness_token_mean_{name}"] = float(ages.mean()) if ages.numel() \
             else 0.0
     return out
-
-
-def length_halves(batch: Batch) -> dict[str, torch.Tensor]:
-    """The positions of the shorter ("short") and the longer ("long") half of the batch's
-    samples by response length (ties by position; the middle sample of an odd batch is in
-    both halves, so neither is empty for a batch of one).
-
-    Example:
-        >>> b = Batch.from_rows(sample_ids=[0, 1, 2], prompt_lens=[1] * 3, response_lens=[3, 1, 2],
-        ...     packed={"tokens": [torch.zeros(n + 1, dtype=torch.long) for n in (3, 1, 2)]})
-        >>> {k: v.tolist() for k, v in length_halves(b).items()}
-        {'short': [1, 2], 'long': [2, 0]}
-    """
-    order = torch.argsort(batch.response_lens, stable=True)
-    return {"short": order[:(len(order) + 1) // 2], "long": order[len(order) // 2:]}
 
 
 def off_policy(batch: Batch, config: PipelineConfig) -> dict[str, float]:

@@ -64,12 +64,6 @@ class PipelineConfig:
     generated (the episodes take the new weights at their next engine call; each token keeps
     the version that made it). False: a push waits for the generation in flight, as in
     chapter 6. one_step_off and single-turn tasks always wait."""
-    drop_older_than: int | None = None
-    """D: None (the default) drops nothing for staleness (every batch is within K when it
-    trains, by admission). An int 0 <= D < K (async mode, multi-turn tasks): a sample whose
-    oldest policy token is more than D versions old when its step trains is dropped from
-    the batch; a step left with no sample generates its prompts again with the trainer's
-    weights. Logged: pipeline/dropped_share, by length (_short, _long), pipeline/regenerated."""
 
     def __post_init__(self) -> None:
         finite("pipeline", self)
@@ -89,13 +83,6 @@ class PipelineConfig:
              "mode 'sync' generates in the policy's own processes (the hybrid engine), so it "
              "has no rollout pool; set mode='one_step_off' or 'async', or drop rollout_dp")
         need(self.is_cap >= 1.0, "pipeline.is_cap", f"must be >= 1, got {self.is_cap}")
-        d = self.drop_older_than
-        need(d is None or self.mode == "async", "pipeline.drop_older_than",
-             f"drops samples older than a bound below K, so only mode 'async' has one; got "
-             f"{d} with mode {self.mode!r} (leave it unset)")
-        need(d is None or 0 <= d < self.staleness_bound, "pipeline.drop_older_than",
-             f"must be >= 0 and below K = {self.staleness_bound} (every sample is within K "
-             f"already), or None; got {d}")
 
     @property
     def staleness_bound(self) -> int:
