@@ -230,11 +230,13 @@ def test_a_push_lands_mid_generation_and_each_token_keeps_its_versions_weights(
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_async_episodes_on_ray_take_pushes_on_the_weights_lane() -> None:
+@pytest.mark.parametrize("engine", [
+    "torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(900)])])
+def test_async_episodes_on_ray_take_pushes_on_the_weights_lane(engine: str) -> None:
     # On Ray the lane is an actor concurrency group: the push is received while `generate`
     # runs, and a generation launched after a push starts from it (the driver's stamp check,
     # `check_stamps`, would raise otherwise). Timing decides where pushes land, so this checks
-    # what holds wherever they do.
+    # what holds wherever they do; a token of the trainer's own version has its log-prob.
     from avrid.agents import AgentPipelinedTrainer
     from avrid.ppo.setup.overrides import with_overrides
     from avrid.ppo.setup.presets import preset
@@ -244,7 +246,8 @@ def test_async_episodes_on_ray_take_pushes_on_the_weights_lane() -> None:
         "pipeline.mode=async", "pipeline.max_staleness=2", "pipeline.rollout_dp=1",
         "rollout.agent_segment_tokens=2", "train.prompts_per_step=4",
         "algo.responses_per_prompt=4", "train.mini_batch_size=16", "train.val_prompts=8",
-        "train.steps=6", "train.progress=false"])
+        "train.steps=6", "train.progress=false", f"rollout.engine={engine}",
+        *(["model.hidden_size=128", "model.num_heads=2"] if engine == "vllm" else [])])
     with AgentPipelinedTrainer(cfg) as tr:
         tr.start()
         steps = [tr.train_step(step) for step in range(cfg.train.steps)]
@@ -256,3 +259,8 @@ def test_async_episodes_on_ray_take_pushes_on_the_weights_lane() -> None:
             acts = versions.row(i)[mask.row(i) == 1].tolist()
             assert acts == sorted(acts) and acts[0] == int(batch.scalars["version"][i])
             assert acts[-1] <= step  # never newer than the trainer when it trained
+        # Tokens made by the weights the step trains with (version `step`: one update per
+        # step) have the trainer's log-prob, wherever in the generation that version loaded.
+        now = (mask.values == 1) & (versions.values == step)
+        gap = (batch.packed["rollout_logp"].values - batch.packed["old_logp"].values)[now]
+        assert gap.numel() == 0 or float(gap.abs().max()) < 1e-4, (step, float(gap.abs().max()))
