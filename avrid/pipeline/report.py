@@ -78,12 +78,12 @@ def staleness_by_length(batch: Batch, versions: torch.Tensor, mask: torch.Tensor
     drop; these two show how age differs with length.
 
     Example:
-        >>> b = Batch.from_rows(sample_ids=[0, 1], prompt_lens=[1, 1], response_lens=[1, 3],
-        ...     packed={"tokens": [torch.tensor([5, 6]), torch.tensor([5, 6, 7, 8])],
-        ...             "token_version": [torch.tensor([2]), torch.tensor([0, 1, 2])]})
-        >>> m = action_mask(b).bool()
+        >>> b = Batch.from_rows(sample_ids=[0, 1], prompt_lens=[1, 1], response_lens=[1, 2],
+        ...     packed={"tokens": [torch.tensor([5, 6]), torch.tensor([5, 6, 7])],
+        ...             "token_version": [torch.tensor([1]), torch.tensor([1, 2])]})
+        >>> m = action_mask(b).bool()  # the long one took version 2 after its first token
         >>> staleness_by_length(b, padded(b, "token_version"), m, 2)
-        {'pipeline/staleness_token_mean_short': 0.0, 'pipeline/staleness_token_mean_long': 1.0}
+        {'pipeline/staleness_token_mean_short': 1.0, 'pipeline/staleness_token_mean_long': 0.5}
     """
     order = torch.argsort(batch.response_lens, stable=True)
     halves = {"short": order[:(len(order) + 1) // 2], "long": order[len(order) // 2:]}
