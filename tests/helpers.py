@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from avrid.workers import Worker, WorkerIdentity
 
@@ -53,6 +53,26 @@ def child_env(**extra: str) -> dict[str, str]:
                PYTHONPATH=os.pathsep.join(paths))
     env.update(extra)
     return env
+
+
+def leave_process_group() -> NoReturn:
+    """End a test's gloo rank process (a subprocess or an `mp.spawn` child) once its results
+    are out: a barrier, the default group destroyed, output flushed, then `os._exit(0)`.
+
+    Why not a normal exit: with FSDP2 state still alive (the sharded model, its hooks and the
+    gloo work they hold), gloo sometimes aborts during interpreter teardown, after a clean
+    destroy: "terminate called without an active exception", SIGABRT. Measured on a two-rank
+    FSDP2 test: 4 of 30 runs, and once each in two CI runs of different tests. The abort is
+    in torch's teardown, not in what the test checks, and skipping the teardown ends it."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def snapshot(root: Path, ignore: tuple[str, ...] | None = None) -> dict[str, bytes | None]:

@@ -19,7 +19,7 @@ import torch
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_critic, build_tiny_policy
 from avrid.ppo.roles.trained import checkpoint_activations
 from avrid.ppo.setup.config import ModelConfig, PPOConfig, TrainConfig
-from tests.helpers import child_env
+from tests.helpers import child_env, leave_process_group
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -107,23 +107,15 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    try:
-        model = build("policy").eval()
-        checkpoint_activations(model)
-        calls: list[int] = []
-        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
-        model = fsdp.shard_model(model, dist.group.WORLD, 2, "cpu")
-        _, grads = loss_and_grads(model, "policy")
-        full = {n: g.full_tensor() for n, g in grads.items()}  # a collective: both ranks
-        torch.save({"grads": full, "calls": len(calls)}, f"{out}/rank{rank}.pt")
-        # Leave cleanly: the sharded model's state (FSDP2's hooks and gloo work they hold)
-        # dropped and both ranks past a barrier before the group goes. Without it, about one
-        # run in eight aborted at interpreter exit ("terminate called without an active
-        # exception", SIGABRT) after a clean destroy; 0 of 60 with it.
-        del model, grads, full
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    model = build("policy").eval()
+    checkpoint_activations(model)
+    calls: list[int] = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    model = fsdp.shard_model(model, dist.group.WORLD, 2, "cpu")
+    _, grads = loss_and_grads(model, "policy")
+    full = {n: g.full_tensor() for n, g in grads.items()}  # a collective: both ranks
+    torch.save({"grads": full, "calls": len(calls)}, f"{out}/rank{rank}.pt")
+    leave_process_group()  # not a normal exit: gloo can abort in its teardown (see there)
 
 
 @pytest.mark.slow

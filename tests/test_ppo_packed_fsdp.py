@@ -30,7 +30,7 @@ from avrid.ppo.roles.forward import response_logprobs, train_shard
 from avrid.results import ResultBuilder
 from avrid.workers import WorkerIdentity
 from avrid.workers.outcome import free_port
-from tests.helpers import GradRecorder
+from tests.helpers import GradRecorder, leave_process_group
 
 pytestmark = [pytest.mark.chapter(5), pytest.mark.slow]
 
@@ -93,11 +93,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         result[tied] = {"grads": optimizer.grads, "logps": logps,
                         "sharded": any(hasattr(p, "full_tensor") for p in model.parameters())}
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    # The last sharded model dropped and both ranks past a barrier before the group goes:
-    # otherwise gloo sometimes aborts at exit (SIGABRT; see test_ppo_activation_checkpointing).
-    del model, optimizer
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()  # not a normal exit: gloo can abort in its teardown (see there)
 
 
 def test_fsdp2_packed_chunked_update_equals_one_padded_process(tmp_path: Path) -> None:
