@@ -9,6 +9,7 @@ nothing, new files included).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -57,19 +58,19 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def leave_process_group() -> NoReturn:
     """End a test's gloo rank process (a subprocess or an `mp.spawn` child) once its results
-    are out: a barrier, the default group destroyed, output flushed, then `os._exit(0)`.
+    are out: a barrier and the default group destroyed (unless a worker's `close` has done
+    so already), output flushed, then `os._exit(0)`.
 
     Why not a normal exit: with FSDP2 state still alive (the sharded model, its hooks and the
     gloo work they hold), gloo sometimes aborts during interpreter teardown, after a clean
     destroy: "terminate called without an active exception", SIGABRT. Measured on a two-rank
     FSDP2 test: 4 of 30 runs, and once each in two CI runs of different tests. The abort is
     in torch's teardown, not in what the test checks, and skipping the teardown ends it."""
-    import sys
-
     import torch.distributed as dist
 
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -26,7 +26,7 @@ from avrid.ppo.roles.forward import response_values
 from avrid.workers import WorkerIdentity
 from avrid.workers.identity import Rendezvous
 from avrid.workers.outcome import free_port
-from tests.helpers import GradRecorder
+from tests.helpers import GradRecorder, leave_process_group
 from tests.test_ppo_updates import NORM_LEN, PAD, VOCAB, config, make_batch
 
 pytestmark = pytest.mark.chapter(5)
@@ -55,6 +55,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     torch.save({"grads": worker.optimizer.grads, "sharded": sharded,
                 "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]},
                Path(out) / f"rank{rank}.pt")
+    leave_process_group()  # not a normal exit: gloo can abort in its teardown (see there)
 
 
 def test_fsdp2_critic_warns_nothing_and_its_gradients_match_one_process(tmp_path: Path) -> None:

@@ -110,6 +110,8 @@ RANK_SCRIPT = textwrap.dedent("""
         torch.save(res, f"{out}/{mode}-{role}-{rank}.pt")
     w.close()
     print(json.dumps({"grew": res["grew"], "meta": res["meta"]}))
+    from tests.helpers import leave_process_group
+    leave_process_group()  # not a normal exit: gloo can abort in its teardown (see there)
 """)
 
 
