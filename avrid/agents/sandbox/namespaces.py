@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 
-from avrid.agents.sandbox import boot, seccomp
+from avrid.agents.sandbox import boot, cgroup, seccomp
 from avrid.agents.sandbox.base import SandboxUnavailable, ToolLimits, ToolResult
 from avrid.agents.sandbox.child import run_child
 
@@ -124,6 +124,10 @@ class NamespaceSandbox:
         """Start one empty sandbox (cached per binary): bubblewrap present, user namespaces
         allowed."""
         problem = _probe(self.bwrap)
+        if not problem and os.geteuid() == 0 and isinstance(why := cgroup.pids_root(), str):
+            problem = (f"run as root, a tool's processes can only be bounded by a pids cgroup "
+                       f"(the kernel exempts root's processes from RLIMIT_NPROC), and {why}; "
+                       f"run the trainer as a non-root user, or give it a writable cgroup")
         if problem:
             raise SandboxUnavailable(
                 f"tools.sandbox='namespaces' cannot run here: {problem}. Choose "
@@ -145,14 +149,18 @@ class NamespaceSandbox:
         info_r, info_w = os.pipe()
         filter_fd = seccomp.filter_fd()
         fds = [info_w] + ([filter_fd] if filter_fd is not None else [])
+        argv = bwrap_argv(self.bwrap, limits, info_fd=info_w, seccomp_fd=filter_fd)
+        # As root, RLIMIT_NPROC is not applied: the call runs in a pids cgroup instead.
+        group = cgroup.make(limits.processes + 3) if os.geteuid() == 0 else None
         try:
-            ended = run_child(bwrap_argv(self.bwrap, limits, info_fd=info_w,
-                                         seccomp_fd=filter_fd),
+            ended = run_child(argv if group is None else cgroup.wrap(group, argv),
                               stdin=code.encode(errors="replace"), wall_s=limits.wall_s,
                               cap=4 * limits.output_chars, env={}, pass_fds=fds)
         finally:
             for fd in fds:
                 os.close(fd)
+            if group is not None:
+                cgroup.remove(group)
         info = _read_info(info_r)
         seconds = time.monotonic() - start
         stderr = ended.stderr.decode(errors="replace")
