@@ -24,6 +24,7 @@ Where this machine cannot create namespaces, the module is skipped with the reas
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import resource
 import signal
@@ -71,7 +72,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     sandbox = namespaces_or_skip()
     victim = tmp_path_factory.mktemp("victim")
     (victim / "data.jsonl").write_text(
-        '{"question": "How many apples?", "answer": "%s"}\n' % ANSWER)
+        json.dumps({"question": "How many apples?", "answer": ANSWER}) + "\n")
     (victim / "secret.txt").write_text(SECRET_FILE)
     (victim / "sub").mkdir()
     (victim / "sub" / "keep").write_text("mine")
