@@ -87,3 +87,23 @@ def test_a_python_call_then_the_answer(tmp_path: Path, answer: str, reward: floa
     assert traj.ids[c:d] == tok.encode_text("\n<tool_response>\n42\n\n</tool_response>\n")
     assert traj.ids[e:f] == final
     assert (traj.reward, traj.done, traj.tool_calls, traj.tool_errors) == (reward, True, 1, 0)
+
+
+def test_the_tool_cannot_read_the_answer_key(tmp_path: Path) -> None:
+    """A red team's policy read the GSM8K file through the tool and printed the answer: in
+    the default sandbox the file, and anything next to it, is not there to read."""
+    from tests.test_agents_sandbox import namespaces_or_skip
+
+    namespaces_or_skip()
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps({"question": "what is 6 * 7 ?",
+                                          "answer": "#### 987654321"}) for _ in range(4)))
+    (tmp_path / "notes.txt").write_text("the answer is 987654321")
+    task = Gsm8kToolTask(data, instruction="", max_tokens=64, turn_tokens=16)
+    env = task.make_env(task.train_prompts()[0])
+    for code in (f"print(open({str(data)!r}).read())",
+                 f"import os; print(os.listdir({str(tmp_path)!r}))",
+                 "import glob; print(glob.glob('/tmp/**', recursive=True))"):
+        step = env.step([], f"{OPEN}\n{code}\n{CLOSE}")
+        assert "987654321" not in str(step.observation) and "notes.txt" not in \
+            str(step.observation), step

@@ -2,8 +2,10 @@
 
 The policy reasons in text and may run Python: it writes the code between ``<tool_call>``
 and ``</tool_call>`` (Qwen2.5's tool markers, each one token of its tokenizer), its turn
-stops at the closing marker, the sandbox runs the code (`tools.python`: wall time, memory,
-no network, no processes), and what it printed comes back as the next observation:
+stops at the closing marker, the run's sandbox runs the code (`tools.python`; by default the
+kernel's namespaces: the code cannot read the GSM8K file, or anything of the host but a
+read-only Python runtime, has no network, and everything it starts dies with the call), and
+what it printed comes back as the next observation:
 
     <tool_response>
     42

@@ -12,8 +12,11 @@ Two tools ship:
   syntax tree, never `eval`: it accepts nothing but numbers and those operators, with the
   size of every number bounded, so it runs in the caller's process (in microseconds: the
   chapter's laptop task calls it ~10**5 times);
-- `python`: any code, run by `sandbox.run_python` in a child process under limits (wall
-  time, memory, no network, no processes, no writes outside its directory).
+- `python`: any code, run by `sandbox.run_python` in the run's sandbox (``tools.sandbox``):
+  by default the kernel's namespaces, where the code sees a read-only Python runtime and
+  nothing else of the host (not the task's data), has no network, writes only a private
+  scratch directory, and every process it starts dies with the call, under rlimits (wall
+  time, memory, processes, files). What each backend isolates: `sandbox/__init__.py`.
 
 Both return a `sandbox.ToolResult`, whose `observation()` is what the policy reads.
 
@@ -91,5 +94,6 @@ def _bounded(value: int) -> int:
 
 
 def python(code: str, *, wall_s: float = 5.0, memory_mb: int = 512) -> ToolResult:
-    """Run `code` in the sandbox (`sandbox.run_python`); its printed output is the result."""
+    """Run `code` in the current sandbox (`sandbox.run_python`: the run's ``tools.sandbox``,
+    else the namespaces backend); its printed output is the result."""
     return run_python(code, ToolLimits(wall_s=wall_s, memory_mb=memory_mb))

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable
 
 from avrid.agents.env import is_agent_task
-from avrid.agents.worker import AgentPolicyWorker
+from avrid.agents.worker import AgentPolicyWorker, sandbox_for
 from avrid.dispatch import Batch
 from avrid.ppo.data.columns import with_responses
 from avrid.ppo.data.prompts import VAL, prompt_batch
@@ -67,10 +67,16 @@ class EpisodeSteps:
 
 
 def check_agent_task(task: object, config: PPOConfig) -> None:
-    """A trainer of episodes refuses a single-turn task, in one line."""
+    """A trainer of episodes refuses a single-turn task, in one line; with
+    ``tools.sandbox=remote`` it checks that the service answers before anything starts
+    (`SandboxUnavailable` naming its URL), with ``process`` it warns that it is no boundary."""
     if not is_agent_task(task):
         raise ValueError(f"task {config.task.name!r} is single-turn (no make_env, limits, "
                          f"turn_stops): train it with avrid.pipeline.train")
+    if config.tools.sandbox == "remote":
+        sandbox_for(config.tools).check()
+    elif config.tools.sandbox == "process":
+        sandbox_for(config.tools)  # its warning, here in the driver's output too
 
 
 class AgentTrainer(EpisodeSteps, Trainer):

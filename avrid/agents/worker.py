@@ -18,12 +18,14 @@ Not here: the loop (`episodes.py`), the driver (`trainer.py`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from avrid.agents.env import AgentTask, EpisodeLimits
 from avrid.agents.episodes import FixedVersion, LoopStats, Schedule, WeightSource, run_episodes
+from avrid.agents.sandbox import Sandbox, make_sandbox, use_sandbox
 from avrid.agents.trajectory import Trajectory, trajectory_columns
 from avrid.dispatch import Shard
 from avrid.ppo.engines.torch_engine import SamplingParams
@@ -32,6 +34,7 @@ from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.tokenizer import Tokenizer, make_tokenizer
+from avrid.ppo.setup.tools import ToolsConfig
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
@@ -40,6 +43,15 @@ def agent_task(config: PPOConfig) -> AgentTask:
     """The run's task, loaded in this process (`catalog.load_task`)."""
     t = config.task
     return load_task(t.name, **dict(t.options), **({"path": t.path} if t.path else {}))
+
+
+@functools.cache
+def sandbox_for(tools: ToolsConfig) -> Sandbox:
+    """The run's tool sandbox in this process (`config.tools`): one per config, so its bound
+    on concurrent calls holds across the process's episodes. Nothing starts until a tool
+    runs (a task without code tools never starts one)."""
+    return make_sandbox(tools.sandbox, url=tools.remote_url, concurrency=tools.concurrency,
+                        retries=tools.remote_retries)
 
 
 def episode_limits(task: AgentTask, max_response: int) -> EpisodeLimits:
@@ -73,7 +85,9 @@ def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: Ag
                             top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
                             stop_token_ids=tuple(dict.fromkeys((*stop_ids, *turn_stops))),
                             seed=seed + identity.rank)  # one stream per rank
-    with builder.span("generate"):
+    # Tool calls of the environments run in the run's sandbox (`sandbox.run_python` reads it
+    # from this context, which the loop hands to every environment step).
+    with builder.span("generate"), use_sandbox(sandbox_for(config.tools)):
         trajectories, stats = run_episodes(
             engine, [task.make_env(p) for p in prompts], tokenizer=tokenizer, limits=limits,
             params=params, prompts=prompts, schedule=schedule, segment_tokens=segment_tokens,

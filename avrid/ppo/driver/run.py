@@ -307,14 +307,14 @@ def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, 
              for sec, values in now.items() for k, v in values.items()
              if not (sec == "train" and k in SCHEDULE_FIELDS)
              and not (sec == "placement" and k in WHERE_FIELDS)
-             and not (sec == "rollout" and k in MEMORY_FIELDS) and sec != "memory"
+             and not (sec == "rollout" and k in MEMORY_FIELDS) and sec not in ("memory", "tools")
              and was[sec].get(k) != v]
     if diffs:
         raise ValueError("cannot resume: the config differs from the checkpoint's in "
                          + "; ".join(diffs) + f" (only train.{{{', '.join(SCHEDULE_FIELDS)}}} "
                          f"placement.{{{', '.join(WHERE_FIELDS)}}} and "
-                         f"rollout.{{{', '.join(MEMORY_FIELDS)}}} and the memory section "
-                         f"may change)")
+                         f"rollout.{{{', '.join(MEMORY_FIELDS)}}} and the memory and tools "
+                         f"sections may change)")
 
 
 def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # noqa: ANN001

@@ -1,10 +1,11 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds nine small sections (`algo` is in `algo.py`, `rollout` in
+One `PPOConfig` holds ten small sections (`algo` is in `algo.py`, `rollout` in
 `rollout.py`, `memory` in `memory.py`, `lora` in `lora.py`, chapter 6's `pipeline` in
-`pipeline.py`). Every field has a docstring, a default that runs on a laptop, and a check in
-`__post_init__` that names the field and the allowed range, so a bad value fails when the
-config is made — before Ray starts or any worker loads a model.
+`pipeline.py`, chapter 7's `tools` in `tools.py`). Every field has a docstring, a default
+that runs on a laptop, and a check in `__post_init__` that names the field and the allowed
+range, so a bad value fails when the config is made — before Ray starts or any worker
+loads a model.
 
 Two kinds of sizes, never mixed:
 
@@ -36,6 +37,7 @@ from avrid.ppo.setup.lora import LoraConfig
 from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.rollout import RolloutConfig
+from avrid.ppo.setup.tools import ToolsConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
 from avrid.workers.placement import Strategy
 
@@ -286,6 +288,7 @@ class PPOConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def __post_init__(self) -> None:
         validate(self)  # the rules that tie fields of different sections together
