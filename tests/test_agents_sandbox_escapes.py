@@ -39,9 +39,10 @@ from pathlib import Path
 import pytest
 
 from avrid.agents.sandbox import Sandbox, ToolLimits, ToolResult
-from tests.test_agents_sandbox import gone, namespaces_or_skip, tool_dirs
+from tests.test_agents_sandbox import gone, namespaces_or_skip, private_tempdir, tool_dirs
 
 pytestmark = pytest.mark.chapter(7)
+__all__ = ["private_tempdir"]  # an autouse fixture of this module too (`tool_dirs`)
 
 SECRET_ENV = f"avrid-env-secret-{uuid.uuid4().hex}"
 SECRET_FILE = f"avrid-file-secret-{uuid.uuid4().hex}"

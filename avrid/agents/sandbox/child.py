@@ -106,7 +106,13 @@ def _pump(proc: subprocess.Popen[bytes], data: bytes, deadline: float,
             if not exited and proc.poll() is not None:
                 exited = True  # what still holds the pipes gets a moment, then is ignored
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
-        return out, err, exited or proc.poll() is not None
+        if not exited:  # both outputs closed: the child is ending; give it until the deadline
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                exited = True
+            except subprocess.TimeoutExpired:
+                pass
+        return out, err, exited
     finally:
         sel.close()
         if pidfd is not None:

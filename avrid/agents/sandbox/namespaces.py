@@ -105,7 +105,8 @@ def bwrap_argv(bwrap: str, limits: ToolLimits, *, info_fd: int,
             "--remount-ro", "/", "--chdir", SCRATCH, "--info-fd", str(info_fd)]
     if seccomp_fd is not None:
         argv += ["--add-seccomp-fd", str(seccomp_fd)]
-    return argv + ["--", sys.executable, "-I", "-c", boot.program(limits)]
+    return argv + ["--", sys.executable, "-I", "-S", "-c",
+                   boot.program(limits, paths=boot.site_paths())]
 
 
 class NamespaceSandbox:

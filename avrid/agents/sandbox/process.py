@@ -106,8 +106,8 @@ class ProcessSandbox:
             start = time.monotonic()
             workdir = tempfile.mkdtemp(prefix="avrid-tool-")
             try:
-                argv = [sys.executable, "-I", "-c",
-                        boot.program(limits, prelude=AUDIT_HOOKS)]
+                argv = [sys.executable, "-I", "-S", "-c",
+                        boot.program(limits, prelude=AUDIT_HOOKS, paths=boot.site_paths())]
                 ended = run_child(argv, stdin=code.encode(errors="replace"),
                                   wall_s=limits.wall_s, cap=4 * limits.output_chars, env={},
                                   cwd=workdir)
