@@ -5,8 +5,9 @@ Run it with ``python -m chapters.ch07_agents`` (CPU only; under a minute on a 2-
 in one process, no Ray). It reads top to bottom:
 
 1. the sandbox: tool calls that work, loop forever, allocate without bound, try the
-   network, write outside their directory, and crash; each comes back as an observation,
-   and nothing of the child is left running;
+   network, append to the Python runtime, read a file of yours, kill this process, and
+   crash; each comes back as an observation, and nothing of the child is left running
+   (namespaces: on a machine without them, the weaker process backend, said so);
 2. calc episodes ("48*7=[" -> "48*7]" -> "336;" -> ...) of the tiny random policy through
    the episode loop, turns generated in segments while new weights arrive every two engine
    calls (a partial rollout); one trajectory printed token by token with its action mask
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +38,13 @@ import torch
 from avrid.agents import AgentTrainer
 from avrid.agents.env import EpisodeLimits
 from avrid.agents.episodes import run_episodes
-from avrid.agents.sandbox import ToolLimits, run_python
+from avrid.agents.sandbox import (
+    Sandbox,
+    SandboxUnavailable,
+    ToolLimits,
+    make_sandbox,
+    run_python,
+)
 from avrid.agents.trajectory import Trajectory
 from avrid.agents.worker import agent_task
 from avrid.ppo.engines.models import TinyModelSpec, build_tiny_policy, tiny_spec
@@ -57,15 +65,19 @@ from chapters.ch07_agents.workloads import (
 
 OUT = Path("outputs/ch07")
 EPISODES = 32
-ESCAPE = (OUT / "escaped.txt").resolve()
+SECRET = (OUT / "secret.txt").resolve()
 TOOLS = {  # what the policy might write, and how it must end
     "prints": ("print(6 * 7)", "ok"),
     "loops forever": ("while True:\n    pass", "timeout"),
     "memory bomb": ("x = bytearray(4 << 30)", "memory"),
     "network": ("import socket\nsocket.create_connection(('1.1.1.1', 80))", "denied"),
-    "writes outside": (f"open({str(ESCAPE)!r}, 'w').write('hi')", "denied"),
+    "writes runtime": ("import os\nopen(os.__file__, 'a').write('# pwned')", "denied"),
+    "reads your file": (f"print(open({str(SECRET)!r}).read())", "error"),
+    "kills trainer": (f"import os\nos.kill({os.getpid()}, 9)", "error"),
     "crashes": ("1 / 0", "error"),
 }
+UNSAFE_IN_PROCESS = ("reads your file", "kills trainer")
+"""What the process backend (no boundary) would let happen: the demo skips them there."""
 SMALL = ["placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
          "train.prompts_per_step=4", "algo.responses_per_prompt=4",
          "train.mini_batch_size=16", "train.val_prompts=8", "train.progress=false",
@@ -85,19 +97,33 @@ def alive(pid: int) -> bool:
 
 
 def sandbox() -> list[Check]:
-    print("1. the sandbox: each call in a child process, 256 MiB, the loop's wall 1 s")
-    ESCAPE.unlink(missing_ok=True)
+    chosen: Sandbox = make_sandbox("namespaces")
+    try:
+        chosen.check()
+        print("1. the sandbox: each call in its own namespaces (bubblewrap), 256 MiB, the "
+              "loop's wall 1 s")
+    except SandboxUnavailable as e:  # e.g. macOS: say so, and show the weaker backend
+        print(f"1. the sandbox: namespaces unavailable here ({e});\n   the process backend "
+              f"instead (NOT a boundary: the calls it would let through are skipped)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            chosen = make_sandbox("process")
+    SECRET.parent.mkdir(parents=True, exist_ok=True)
+    SECRET.write_text("the answer key: 42")
     oks = []
     for what, (code, expected) in TOOLS.items():
+        if chosen.name == "process" and what in UNSAFE_IN_PROCESS:
+            continue
         # 1 s for the loop; the others get 5 s, so a loaded machine's slow start of the
         # child never reads as a timeout
         wall = 1.0 if expected == "timeout" else 5.0
-        r = run_python(code, ToolLimits(wall_s=wall, memory_mb=256))
-        print(f"  {what:<15} {r.status:<8} {r.seconds:4.1f} s  {r.observation().strip()!r}")
+        r = run_python(code, ToolLimits(wall_s=wall, memory_mb=256), sandbox=chosen)
+        print(f"  {what:<16} {r.status:<7} {r.seconds:4.1f} s  {r.observation().strip()!r}")
         oks.append(r.status == expected and not alive(r.pid))
     return [("every tool call ended as expected and left no process (os.kill(pid, 0) "
              "raises ProcessLookupError)", all(oks)),
-            ("the write outside the tool's directory never happened", not ESCAPE.exists())]
+            ("the runtime file the tool appended to is unchanged",
+             not open(os.__file__).read().endswith("# pwned"))]
 
 
 def calc_episodes() -> tuple[list[Trajectory], Callable[[int], str], list[Check]]:
