@@ -3,8 +3,8 @@ per-trajectory scheduling, on top of chapters 5 and 6.
 
 Read in this order:
 
-1. sandbox.py       a tool call's code run in a child process under limits (wall time,
-                    memory, disk, no network, no processes); its outcome as an observation
+1. sandbox/        a tool call's code run where it cannot reach the host (kernel
+                    namespaces by default), under limits; its outcome as an observation
 2. tools.py         a tool call found at the end of a turn; the calculator and Python tools
 3. env.py           the environment protocol: reset, step -> observation, reward, done
 4. trajectory.py    an episode in tokens: ids, action mask, behaviour log-prob, version
