@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from avrid.agents.partial import WeightMailbox
-from avrid.agents.trainer import EpisodeSteps, check_agent_task
+from avrid.agents.trainer import EpisodeSteps, check_agent_task, check_tools
 from avrid.agents.worker import agent_shard, agent_task, episode_limits
 from avrid.dispatch import Shard
 from avrid.pipeline import PipelinedTrainer
@@ -87,6 +87,7 @@ class AgentPipelinedTrainer(EpisodeSteps, PipelinedTrainer):
     rollout_worker = AgentRolloutWorker
 
     def __init__(self, config: PPOConfig) -> None:
+        check_tools(config)
         super().__init__(config)
         check_agent_task(self.task, config)
         p = config.pipeline

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Callable
 
 from avrid.agents.env import is_agent_task
+from avrid.agents.sandbox import SandboxUnavailable
 from avrid.agents.worker import AgentPolicyWorker, sandbox_for
 from avrid.dispatch import Batch
 from avrid.ppo.data.columns import with_responses
@@ -67,16 +68,23 @@ class EpisodeSteps:
 
 
 def check_agent_task(task: object, config: PPOConfig) -> None:
-    """A trainer of episodes refuses a single-turn task, in one line; with
-    ``tools.sandbox=remote`` it checks that the service answers before anything starts
-    (`SandboxUnavailable` naming its URL), with ``process`` it warns that it is no boundary."""
+    """A trainer of episodes refuses a single-turn task, in one line."""
     if not is_agent_task(task):
         raise ValueError(f"task {config.task.name!r} is single-turn (no make_env, limits, "
                          f"turn_stops): train it with avrid.pipeline.train")
+
+
+def check_tools(config: PPOConfig) -> None:
+    """Before anything starts: with ``tools.sandbox=remote``, that the service answers (a
+    ValueError naming the field and the URL); with ``process``, the warning that it is no
+    boundary, in the driver's output too."""
     if config.tools.sandbox == "remote":
-        sandbox_for(config.tools).check()
+        try:
+            sandbox_for(config.tools).check()
+        except SandboxUnavailable as e:  # a setting to fix, reported as the config's errors are
+            raise ValueError(f"config field 'tools.remote_url': {e}") from e
     elif config.tools.sandbox == "process":
-        sandbox_for(config.tools)  # its warning, here in the driver's output too
+        sandbox_for(config.tools)
 
 
 class AgentTrainer(EpisodeSteps, Trainer):
@@ -89,6 +97,7 @@ class AgentTrainer(EpisodeSteps, Trainer):
             raise ValueError(f"pipeline.mode={config.pipeline.mode!r} runs episodes in "
                              f"avrid.agents.pipelined.AgentPipelinedTrainer; this trainer "
                              f"runs pipeline.mode='sync'")
+        check_tools(config)
         super().__init__(config)
         check_agent_task(self.task, config)
 
