@@ -288,7 +288,9 @@ def _fitting_ids(observation: str | list[int], tokenizer: Tokenizer,
     """The observation's ids if they fit in `room` tokens, else None. Text is tokenized
     (once, here, as it is: no chat template around it) only if it may fit: a token stands
     for at most `max_token_chars` characters, so a longer text has too many tokens, and a
-    2,000,000-character tool output costs nothing instead of a tokenizer's tens of seconds."""
+    2,000,000-character tool output costs nothing instead of a tokenizer's tens of seconds.
+    (True of tokenizers that keep every character in some token, as byte-level BPE and
+    SentencePiece do; one that drops whitespace could fit a longer text, and ends it.)"""
     if isinstance(observation, str):
         if len(observation) > room * getattr(tokenizer, "max_token_chars",
                                              DEFAULT_MAX_TOKEN_CHARS):
