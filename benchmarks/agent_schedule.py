@@ -57,7 +57,11 @@ PROMPT_LEN, OBS_LEN = 6, 3
 
 
 class IdTokenizer:
-    """Observations are ids; `decode` only gives the environment its text view."""
+    """Observations are ids (the episode loop takes them in range(`vocab_size`)); `decode`
+    only gives the environment its text view."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]
@@ -106,7 +110,7 @@ def run_once(engine: TorchEngine, schedule: str, args: argparse.Namespace,
     envs = [SleepyToolEnv(i, seed=args.seed, turns=args.turns, vocab=args.vocab,
                           max_tool_s=args.max_tool_ms / 1e3) for i in range(args.episodes)]
     params = SamplingParams(max_new_tokens=1, greedy=True, stop_token_ids=(), seed=args.seed)
-    trajs, stats = run_episodes(engine, envs, tokenizer=IdTokenizer(), limits=limits,
+    trajs, stats = run_episodes(engine, envs, tokenizer=IdTokenizer(args.vocab), limits=limits,
                                 params=params, schedule=schedule,  # type: ignore[arg-type]
                                 tool_threads=args.tool_threads)
     return trajs, stats, sum(e.slept for e in envs)

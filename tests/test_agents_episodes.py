@@ -33,8 +33,12 @@ VOCAB, PAD, EOS, CLOSE = 24, 0, 1, 23  # CLOSE: a tool call's end, a turn stop
 STOPS = (EOS, CLOSE)
 
 
+@dataclass(frozen=True)
 class IdTokenizer:
-    """Text is never used here: observations are ids; decode is for the env's text view."""
+    """Text is never used here: observations are ids; decode is for the env's text view.
+    The loop accepts observation ids in range(vocab_size)."""
+
+    vocab_size: int = VOCAB
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]
@@ -230,7 +234,10 @@ def test_every_token_records_the_version_that_generated_it(every: int) -> None:
     engine = VersionEngine()
     envs = [ScriptedEnv([2], [[1 + VOCAB]] * 4, turns=3) for _ in range(5)]
     limits = EpisodeLimits(max_turns=3, turn_tokens=5, max_tokens=40)
-    trajs, stats = run_episodes(engine, envs, tokenizer=IdTokenizer(), limits=limits,
+    # VersionEngine has no vocabulary: the observation's id 1 + VOCAB, never a policy token,
+    # is in range of a tokenizer this wide.
+    trajs, stats = run_episodes(engine, envs, tokenizer=IdTokenizer(vocab_size=2 + VOCAB),
+                                limits=limits,
                                 params=SamplingParams(max_new_tokens=1, stop_token_ids=STOPS),
                                 segment_tokens=2, weights=Updates(engine, every))
     assert len(set(stats.versions)) > 1  # updates did arrive mid-turn

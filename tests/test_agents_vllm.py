@@ -46,6 +46,7 @@ PAD = 0
 STOPS = tuple(range(1, 33))
 """Turn stops: 32 of 512 ids, so that some turns end at a stop and others at their budget."""
 LIMITS = EpisodeLimits(max_turns=4, turn_tokens=8, max_tokens=60)
+TOKENIZER = IdTokenizer(vocab_size=SPEC.vocab_size)  # the envs' ids go up to 511
 
 
 def scripted_envs(n: int, seed: int, delays: bool) -> list[ScriptedEnv]:
@@ -164,7 +165,7 @@ def test_vllm_episodes_are_the_engines_tokens_and_the_trainer_scores_them_the_sa
     envs = scripted_envs(8, seed=len(schedule) + (segment or 0), delays=True)
     params = SamplingParams(max_new_tokens=1, temperature=temperature, stop_token_ids=STOPS,
                             seed=11)
-    trajs, stats = run_episodes(recording, envs, tokenizer=IdTokenizer(), limits=LIMITS,
+    trajs, stats = run_episodes(recording, envs, tokenizer=TOKENIZER, limits=LIMITS,
                                 params=params, schedule=schedule, segment_tokens=segment)
     for env, traj in zip(envs, trajs, strict=True):
         check_tokens(traj, env, recording)
@@ -204,11 +205,11 @@ def test_greedy_vllm_episodes_are_the_same_under_both_schedules(
     runs = {}
     for schedule in ("per_trajectory", "turn_sync"):
         runs[schedule], _ = run_episodes(engine, scripted_envs(12, seed=5, delays=True),
-                                         tokenizer=IdTokenizer(), limits=LIMITS,
+                                         tokenizer=TOKENIZER, limits=LIMITS,
                                          params=params, schedule=schedule, tool_threads=4)
     torch_run, _ = run_episodes(TorchEngine(policy, pad_token_id=PAD),
                                 scripted_envs(12, seed=5, delays=False),
-                                tokenizer=IdTokenizer(), limits=LIMITS, params=params,
+                                tokenizer=TOKENIZER, limits=LIMITS, params=params,
                                 schedule="turn_sync")
     a, b = runs["per_trajectory"], runs["turn_sync"]
     assert [t.ids for t in a] == [t.ids for t in b] == [t.ids for t in torch_run]

@@ -9,6 +9,7 @@ Read in this order:
 3. env.py           the environment protocol: reset, step -> observation, reward, done
 4. trajectory.py    an episode in tokens: ids, action mask, behaviour log-prob, version
 5. episodes.py      the episode loop: many episodes over one engine, each at its own pace
+                    (steps on step_pool.py's daemon threads: a time limit, fail fast)
 6. calc.py          the laptop task: multiply with a calculator tool
 7. worker.py        multi-turn rollouts on a policy rank (chapter 5's worker, one method)
 8. trainer.py       chapter 5's loop on episodes: no reward call, episode metrics

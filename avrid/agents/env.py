@@ -18,6 +18,14 @@ episode through `StepResult.reward`.
 A user's environment is plain Python in their own module, found like a task
 (``--task my_module:make_task``, on the path of the driver and of every worker).
 
+What the loop holds an environment to: `reset` and every observation are text or token ids
+in range(tokenizer.vocab_size), and `step` returns a `StepResult` within
+`EpisodeLimits.step_wall_s`. Anything else is a bug of the environment and fails the whole
+rollout at once, with one error naming the task, the prompt and the turn (a failing tool is
+not a bug: its error is an observation the policy learns from). A step that hangs is
+abandoned on its thread (`step_pool.py`). An observation longer than the tokens left ends
+the episode as truncated: it is never cut, and a text far too long is not even tokenized.
+
 Not here: running tools (`tools.py`, `sandbox.py`), the token record (`trajectory.py`), the
 loop itself (`episodes.py`).
 """
@@ -42,7 +50,8 @@ class StepResult:
 
     observation: str | Sequence[int]
     """The next observation: text (tokenized with the policy's tokenizer, without EOS) or
-    token ids (used as they are). Empty when the episode is over."""
+    token ids in range(tokenizer.vocab_size) (used as they are). Empty when the episode is
+    over."""
     reward: float | None = None
     """The episode's reward when the environment has one: the last one given is the
     episode's score (outcome reward)."""
@@ -59,7 +68,8 @@ class StepResult:
 @runtime_checkable
 class Environment(Protocol):
     """One episode's environment. `step` may block (a tool runs); the loop calls it on a
-    thread of its own, so other episodes generate meanwhile."""
+    thread of its own, so other episodes generate meanwhile, and gives up on it after
+    `EpisodeLimits.step_wall_s`."""
 
     def reset(self) -> str | Sequence[int]:
         """The first context of the episode: text or token ids."""
@@ -85,6 +95,11 @@ class EpisodeLimits:
     budget, which the trainer and the engine's context are sized for."""
     tool_wall_s: float = 5.0
     """Wall-clock seconds a tool call may take (`sandbox.ToolLimits.wall_s`)."""
+    step_wall_s: float = 60.0
+    """Wall-clock seconds one `env.step` may take, its tool calls included (at least
+    `tool_wall_s`; several calls in one step need more). A step still running then fails the
+    episode loop (a bug of the environment: its tools time out on their own), and is
+    abandoned on its thread."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "turn_tokens", "max_tokens"):
@@ -94,9 +109,16 @@ class EpisodeLimits:
         if self.turn_tokens > self.max_tokens:
             raise ValueError(f"EpisodeLimits.turn_tokens={self.turn_tokens} exceeds "
                              f"max_tokens={self.max_tokens}")
-        if not (self.tool_wall_s > 0 and math.isfinite(self.tool_wall_s)):
-            raise ValueError(f"EpisodeLimits.tool_wall_s must be a finite number > 0, got "
-                             f"{self.tool_wall_s!r}")
+        for name in ("tool_wall_s", "step_wall_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or \
+                    not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"EpisodeLimits.{name} must be a finite number > 0, got "
+                                 f"{value!r}")
+        if self.step_wall_s < self.tool_wall_s:
+            raise ValueError(f"EpisodeLimits.step_wall_s={self.step_wall_s} is less than "
+                             f"tool_wall_s={self.tool_wall_s}: a step must have time for at "
+                             f"least one tool call")
 
 
 @runtime_checkable

@@ -13,8 +13,25 @@ moment its observation arrives, while others still wait on their tools:
       └── observation appended ◄── env.step on a thread (tools run here) ──► done: finished
 
 Each call generates for the episodes ready at that moment; on vLLM the call is one
-continuously batched `generate`. Environments step on a thread pool, so tools of different
-episodes run at once while the engine works.
+continuously batched `generate`. Environments step on a few threads (`step_pool.py`, at most
+`tool_threads`, each step in a copy of the caller's `contextvars` context), so tools of
+different episodes run at once while the engine works.
+
+When an environment misbehaves, the loop fails at once with one error naming the task, the
+prompt (index and text) and the turn; it never waits for other steps still running:
+
+- a step that raises: RuntimeError with the step's error;
+- a step that does not return within `EpisodeLimits.step_wall_s`: RuntimeError at that
+  deadline. Python cannot stop a thread, so the hung step is abandoned on its daemon thread
+  (neither the caller nor interpreter exit waits for it);
+- a step that returns something other than a `StepResult`, or a first context (`reset`) or
+  observation that is neither text nor token ids in range(tokenizer.vocab_size): ValueError
+  showing the value.
+
+Steps still queued when the loop fails never start. An observation too long for what is left
+of `max_tokens` ends the episode as truncated, never cut; a text longer than the room times
+the most characters one token stands for cannot fit, so it is not even tokenized (a tool
+that prints two million characters costs nothing).
 
 Partial rollouts: a turn may be generated in segments of `segment_tokens`. Between two
 engine calls the loop asks its `WeightSource` which version the engine holds (the source
@@ -33,14 +50,16 @@ episodes into a training batch on a worker (`worker.py`).
 
 from __future__ import annotations
 
+import reprlib
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Any, Literal, Protocol
 
 from avrid.agents.env import Environment, EpisodeLimits, StepResult
+from avrid.agents.step_pool import StepPool
 from avrid.agents.trajectory import Trajectory
 from avrid.ppo.engines.torch_engine import SamplingParams
 from avrid.ppo.setup.task import Prompt, check_reward
@@ -96,6 +115,12 @@ class _Episode:
     turn_start: int = 0  # where the current policy turn starts in traj.ids
     mid_turn: bool = False  # the current turn was cut by a segment and goes on
 
+    @property
+    def where(self) -> str:
+        """The episode as an error names it: its prompt (index and text) when known."""
+        return f"prompt {self.prompt.index} ({self.prompt.text!r})" if self.prompt else \
+            f"episode {self.index}"
+
 
 def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokenizer,
                  limits: EpisodeLimits, params: SamplingParams,
@@ -109,7 +134,12 @@ def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokeniz
     `params` gives the sampling (temperature, top-k/p, greedy, stop ids: EOS and the turn
     stops, seed); its `max_new_tokens` is ignored: each turn gets `limits.turn_tokens`, and
     at most what is left of `limits.max_tokens`. `prompts` (optional, one per env) name the
-    prompt in a reward's error message.
+    prompt in error messages. Steps run on at most `tool_threads` threads (`StepPool`).
+
+    The first failure ends the call at once, naming the task, the prompt and the turn: a
+    step that raises or runs past `limits.step_wall_s` (RuntimeError), returns something
+    other than a `StepResult`, or a first context or observation that is neither text nor
+    token ids in range(tokenizer.vocab_size) (ValueError).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -118,23 +148,37 @@ def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokeniz
     weights = weights or FixedVersion(0)
     stats = LoopStats()
     start = time.perf_counter()
-    episodes = [_Episode(i, env, prompts[i] if prompts else None,
-                         Trajectory(prompt=tuple(_prompt_ids(env.reset(), tokenizer))))
-                for i, env in enumerate(envs)]
+    vocab = tokenizer.vocab_size
+    episodes = []
+    for i, env in enumerate(envs):
+        ep = _Episode(i, env, prompts[i] if prompts else None, Trajectory(prompt=()))
+        first = _checked(env.reset(), vocab, f"task {task_name!r}: reset() of the "
+                                             f"environment of {ep.where} returned")
+        # Text as the task's prompts are (`Tokenizer.encode`: a chat model's template
+        # included), ids as they are.
+        ep.traj.prompt = tuple(tokenizer.encode(first) if isinstance(first, str) else first)
+        episodes.append(ep)
     ready: deque[_Episode] = deque(episodes)
-    pending: dict[Future[StepResult], _Episode] = {}
-    with ThreadPoolExecutor(max_workers=max(1, tool_threads),
-                            thread_name_prefix="avrid-env") as pool:
+    pending: dict[int, _Episode] = {}  # by episode index: those whose step is on the pool
+    with StepPool(max(1, tool_threads), wall_s=limits.step_wall_s) as pool:
         while ready or pending:
-            if pending and (schedule == "turn_sync" or not ready):
-                # turn_sync: every episode waits for the slowest tool of the turn.
-                wait(pending, return_when=ALL_COMPLETED if schedule == "turn_sync"
-                     else FIRST_COMPLETED)
-            for fut in [f for f in pending if f.done()]:
-                ep = pending.pop(fut)
-                if _observe(ep, _answer(fut, ep, task_name), tokenizer, limits, task_name):
+            # turn_sync: every episode waits for the slowest tool of the turn. Outcomes are
+            # read as they come all the same, so the first failure ends the call at once
+            # (leaving the pool abandons the steps still running).
+            wait = bool(pending) and (schedule == "turn_sync" or not ready)
+            for done in pool.finished(wait=wait):
+                ep = pending.pop(done.key)
+                if done.overdue:
+                    raise RuntimeError(
+                        f"task {task_name!r}: the environment of {ep.where} did not return "
+                        f"from step() at turn {ep.traj.policy_turns} within "
+                        f"EpisodeLimits.step_wall_s={limits.step_wall_s} s (each tool call "
+                        f"has tool_wall_s={limits.tool_wall_s} s); the step is abandoned")
+                if done.error is not None:
+                    raise done.error
+                if _observe(ep, done.value, tokenizer, limits, task_name):
                     ready.append(ep)
-            if not ready:
+            if not ready or (schedule == "turn_sync" and pending):
                 continue
             batch = sorted(ready, key=lambda e: e.index)  # a fixed order within a call
             ready.clear()
@@ -143,7 +187,9 @@ def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokeniz
                     ready.append(ep)  # a segment ended inside the turn: it goes on
                 else:
                     turn = ep.traj.ids[ep.turn_start:]
-                    pending[pool.submit(ep.env.step, turn, tokenizer.decode(turn))] = ep
+                    pool.submit(ep.index, _step, ep, turn, tokenizer.decode(turn), vocab,
+                                task_name)
+                    pending[ep.index] = ep
     stats.wall_s = time.perf_counter() - start
     return [ep.traj for ep in episodes], stats
 
@@ -184,21 +230,27 @@ def _generate(engine: Any, batch: list[_Episode], params: SamplingParams,
     return batch
 
 
-def _answer(fut: Future[StepResult], ep: _Episode, task_name: str) -> StepResult:
-    """The environment's answer; its error names the task and the episode's prompt (a
-    tool's failure is an observation, so an error here is a bug in the environment)."""
+def _step(ep: _Episode, turn: list[int], text: str, vocab: int, task_name: str) -> StepResult:
+    """`ep.env.step` on a pool thread, its answer checked there (so a bad one stops the pool
+    at once): a StepResult whose observation is text or a list of ids in range(vocab). Its
+    errors name the task, the episode's prompt and the turn (a tool's failure is an
+    observation, so an error here is a bug in the environment)."""
+    where, n = f"task {task_name!r}: the environment of {ep.where}", ep.traj.policy_turns
     try:
-        return fut.result()
+        step = ep.env.step(turn, text)
     except Exception as e:
-        where = f"prompt {ep.prompt.index} ({ep.prompt.text!r})" if ep.prompt else \
-            f"episode {ep.index}"
-        raise RuntimeError(f"task {task_name!r}: the environment of {where} raised at turn "
-                           f"{ep.traj.policy_turns}: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"{where} raised at turn {n}: {type(e).__name__}: {e}") from e
+    if not isinstance(step, StepResult):
+        raise ValueError(f"{where} returned {_short(step)} ({type(step).__name__}) at turn "
+                         f"{n}; step() must return a StepResult")
+    return replace(step, observation=_checked(step.observation, vocab,
+                                              f"{where} returned at turn {n} the observation"))
 
 
 def _observe(ep: _Episode, step: StepResult, tokenizer: Tokenizer, limits: EpisodeLimits,
              task_name: str) -> bool:
-    """Apply the environment's answer to a policy turn; True if the episode goes on."""
+    """Apply the environment's (checked) answer to a policy turn; True if the episode goes
+    on."""
     traj = ep.traj
     traj.tool_calls += step.tool_calls
     traj.tool_errors += step.tool_errors
@@ -209,28 +261,82 @@ def _observe(ep: _Episode, step: StepResult, tokenizer: Tokenizer, limits: Episo
     if step.done:
         traj.done = True
         return False
-    obs = _ids(step.observation, tokenizer)
     # The episode ends on a limit after a whole turn or observation: a cut observation
-    # would show the policy a context the environment never gave.
-    if traj.policy_turns >= limits.max_turns or \
-            len(traj.ids) + len(obs) >= limits.max_tokens:
+    # would show the policy a context the environment never gave. `room`: what an
+    # observation may take, leaving at least one token for the next turn.
+    room = limits.max_tokens - len(traj.ids) - 1
+    obs = None if traj.policy_turns >= limits.max_turns else \
+        _fitting_ids(step.observation, tokenizer, room)
+    if obs is None:
         traj.truncated = True
         return False
     traj.add_observation(obs)
     return True
 
 
-def _prompt_ids(prompt: str | Sequence[int], tokenizer: Tokenizer) -> list[int]:
-    """The first context as token ids: text as the task's prompts are (`Tokenizer.encode`:
-    a chat model's template included), ids as they are."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    return [int(t) for t in prompt]
+DEFAULT_MAX_TOKEN_CHARS = 256
+"""Characters one token may stand for, for a tokenizer that does not say
+(`max_token_chars`: `CharTokenizer` 1, `HFTokenizer` measured over its vocabulary). Too
+small would end an episode whose observation fits (a wrong sample); too large only
+tokenizes a text that cannot fit. So it errs high: a byte-level BPE vocabulary holds long
+runs of one character as single tokens (spaces of indented code, dashes of a rule), and
+256 is well above the runs such vocabularies are trained to merge."""
 
 
-def _ids(observation: str | Sequence[int], tokenizer: Tokenizer) -> list[int]:
-    """An observation as token ids: text is tokenized (once, here, as it is: no chat template
-    around it), ids are kept."""
+def _fitting_ids(observation: str | list[int], tokenizer: Tokenizer,
+                 room: int) -> list[int] | None:
+    """The observation's ids if they fit in `room` tokens, else None. Text is tokenized
+    (once, here, as it is: no chat template around it) only if it may fit: a token stands
+    for at most `max_token_chars` characters, so a longer text has too many tokens, and a
+    2,000,000-character tool output costs nothing instead of a tokenizer's tens of seconds.
+    (True of tokenizers that keep every character in some token, as byte-level BPE and
+    SentencePiece do; one that drops whitespace could fit a longer text, and ends it.)"""
     if isinstance(observation, str):
-        return tokenizer.encode_text(observation)
-    return [int(t) for t in observation]
+        if len(observation) > room * getattr(tokenizer, "max_token_chars",
+                                             DEFAULT_MAX_TOKEN_CHARS):
+            return None
+        observation = tokenizer.encode_text(observation)
+    return observation if len(observation) <= room else None
+
+
+def _checked(value: object, vocab: int, what: str) -> str | list[int]:
+    """`value` as a context: a string as it is, token ids as a list of ints in
+    range(vocab) (numpy or torch arrays too; bools are not ids). Anything else is a
+    ValueError saying `what` (whose value it is), the value and the allowed forms.
+
+    Example:
+        >>> _checked((3, 1), 8, "x")
+        [3, 1]
+        >>> _checked([8], 8, "reset() returned")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: reset() returned [8] (list): token id 8 at position 0 is out of range; ...
+    """
+    if isinstance(value, str):
+        return value
+    items = value.tolist() if hasattr(value, "tolist") else value  # numpy, torch: to ints
+    problem = ""
+    if not isinstance(items, Sequence) or isinstance(items, bytes | bytearray):
+        problem = "neither a string nor a sequence of token ids"
+    else:
+        for pos, t in enumerate(items):
+            if isinstance(t, bool) or not isinstance(t, Integral):
+                problem = f"{_short(t)} at position {pos} is not an int"
+                break
+            if not 0 <= t < vocab:
+                problem = f"token id {t} at position {pos} is out of range"
+                break
+    if problem:
+        raise ValueError(f"{what} {_short(value)} ({type(value).__name__}): {problem}; it "
+                         f"must be a string, or token ids in range(0, {vocab})")
+    return [int(t) for t in items]
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxtuple = 76, 80, 12, 12
+
+
+def _short(value: object) -> str:
+    """`value`'s repr, at most 80 characters (a huge list is not printed whole)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

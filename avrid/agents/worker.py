@@ -60,7 +60,8 @@ def episode_limits(task: AgentTask, max_response: int) -> EpisodeLimits:
     lim = task.limits
     tokens = min(lim.max_tokens, max_response)
     return EpisodeLimits(max_turns=lim.max_turns, turn_tokens=min(lim.turn_tokens, tokens),
-                         max_tokens=tokens, tool_wall_s=lim.tool_wall_s)
+                         max_tokens=tokens, tool_wall_s=lim.tool_wall_s,
+                         step_wall_s=lim.step_wall_s)
 
 
 def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: AgentTask,

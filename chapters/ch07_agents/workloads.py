@@ -30,7 +30,11 @@ from avrid.ppo.engines.torch_engine import Completion, SamplingParams
 
 
 class IdTokenizer:
-    """Observations are ids already; `decode` only gives the environment a text view."""
+    """Observations are ids already; `decode` only gives the environment a text view. The
+    episode loop takes ids in range(`vocab_size`): 17, as `SleepyToolEnv` draws them."""
+
+    def __init__(self, vocab_size: int = 17) -> None:
+        self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]

@@ -20,6 +20,7 @@ be on disk, because the same tokenizer is rebuilt on every Ray worker from what 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,12 @@ EOS_ID = 1
 
 
 class Tokenizer(Protocol):
-    """What the trainer and the rollout need from a tokenizer."""
+    """What the trainer and the rollout need from a tokenizer.
+
+    Optional, not part of the protocol: `max_token_chars`, the most characters one token
+    stands for (both tokenizers here have it). Chapter 7's episode loop reads it with
+    `getattr` to skip tokenizing an observation too long to fit (`avrid.agents.episodes`).
+    """
 
     @property
     def vocab_size(self) -> int:
@@ -101,6 +107,11 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.alphabet) + 2
+
+    @property
+    def max_token_chars(self) -> int:
+        """One: every token is one character (pad and eos stand for none)."""
+        return 1
 
     @property
     def eos_token_id(self) -> int:
@@ -192,6 +203,17 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         # len() counts added tokens too; `.vocab_size` alone would miss them.
         return len(self._tok)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: the longest token over the vocabulary,
+        measured once (a second or so for 150k tokens) and kept. Both its stored form and its
+        decoded text count: SentencePiece's "▁the" is " the" in a text although alone it
+        decodes to "the", a byte-level BPE's "ĠĠĠ" is three spaces. Not pickled."""
+        ids = list(range(len(self._tok)))
+        stored = self._tok.convert_ids_to_tokens(ids)
+        decoded = self._tok.batch_decode([[i] for i in ids])
+        return max(1, max(len(t or "") for t in stored), max(len(t) for t in decoded))
 
     @property
     def eos_token_id(self) -> int:
