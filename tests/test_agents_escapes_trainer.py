@@ -73,6 +73,12 @@ def sandbox_processes() -> list[str]:
     return found
 
 
+def steps(tmp_path: Path) -> list[dict[str, float]]:
+    """The run's training steps' metrics (metrics.jsonl also holds step 0's validation)."""
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    return [m for m in lines if "agent/turns" in m]
+
+
 def one_line(done: subprocess.CompletedProcess) -> str:
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("avrid ppo:")]
@@ -81,7 +87,7 @@ def one_line(done: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.parametrize(("kind", "says"), [
-    ("hang", [f"did not return within {STEP_WALL_S}", "step_wall_s", "prompt 0"]),
+    ("hang", ["did not return from step()", f"step_wall_s={STEP_WALL_S}", "prompt 0"]),
     ("raise-while-others-run", ["the environment's own bug", "prompt 0"]),
     ("not-text", ["123", "prompt", "misbehaving"]),
     ("ids-out-of-range", ["1000000", "prompt", "misbehaving"]),
@@ -98,7 +104,7 @@ def test_an_environment_bug_ends_the_run_at_once_in_one_line(tmp_path: Path, kin
 def test_a_huge_observation_truncates_its_episode_and_the_run_goes_on(tmp_path: Path) -> None:
     done, took = run(tmp_path, "huge-observation")
     assert done.returncode == 0, done.stderr[-2000:]
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    metrics = steps(tmp_path)
     assert len(metrics) == 2 and all(m["agent/truncated"] > 0 for m in metrics), metrics
     assert took < 60, took  # 2,000,000 characters a step were never tokenized
 
@@ -112,7 +118,7 @@ def test_hostile_tools_leave_the_trainer_running_and_learn_nothing(tmp_path: Pat
     done, _ = run(tmp_path, "tool-attacks", MISBEHAVIOUR_LOG=str(log),
                   MISBEHAVIOUR_SECRET_FILE=str(secret_file), MY_API_TOKEN=secret)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert len([json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]) == 2
+    assert len(steps(tmp_path)) == 2
     calls = [json.loads(line) for line in log.open()]
     status = {c["attack"]: c["status"] for c in calls}
     assert set(status) == set(ATTACKS) and status["stderr-lies"] == "ok", status
