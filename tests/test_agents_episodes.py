@@ -274,10 +274,13 @@ class PythonToolEnv:
 
 
 def test_misbehaving_tools_inside_episodes_end_as_observations_and_leave_nothing(
-        model: torch.nn.Module, tmp_path) -> None:  # noqa: ANN001
-    outside = tmp_path / "x.txt"
+        model: torch.nn.Module) -> None:
+    from tests.test_agents_sandbox import namespaces_or_skip
+
+    namespaces_or_skip()  # the default sandbox, where a tool's write to the runtime is refused
     codes = {"ok": "print(6 * 7)", "timeout": "while True: pass",
-             "memory": "x = bytearray(1 << 34)", "denied": f"open({str(outside)!r}, 'w')",
+             "memory": "x = bytearray(1 << 34)",
+             "denied": "import os; open(os.__file__, 'a').write('# pwned')",
              "network": "import socket; socket.create_connection(('example.com', 80))",
              "crash": "raise RuntimeError('boom')"}
     envs = [PythonToolEnv(code) for code in codes.values()]
@@ -293,7 +296,7 @@ def test_misbehaving_tools_inside_episodes_end_as_observations_and_leave_nothing
     assert statuses == ["ok", "timeout", "memory", "denied", "denied", "error"]
     assert all(t.done and t.tool_calls == 1 for t in trajs)  # every episode went on to its end
     assert [t.tool_errors for t in trajs] == [0, 1, 1, 1, 1, 1]
-    assert not outside.exists()
+    assert not open(os.__file__).read().endswith("# pwned")
     for env in envs:  # nothing of any tool is left running
         with pytest.raises(ProcessLookupError):
             os.killpg(env.results[0].pid, 0)

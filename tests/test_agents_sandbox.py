@@ -148,6 +148,17 @@ def test_a_crash_comes_back_as_an_error_naming_it(sandbox: Sandbox, code: str,
     ("import sys; sys.stderr.write('PermissionError: denied: network\\n'); sys.exit(1)",
      "error"),
     ("import sys; sys.stderr.write('MemoryError\\ndenied: x\\n')", "ok")])
+@pytest.mark.parametrize("code", [
+    "import socket; socket.create_connection(('1.1.1.1', 80), timeout=1)",
+    "import socket; socket.getaddrinfo('example.com', 80)",
+    "import urllib.request; urllib.request.urlopen('http://example.com', timeout=1)"])
+def test_the_network_is_refused(sandbox: Sandbox, code: str) -> None:
+    if sandbox.name == "remote":
+        pytest.skip("the remote backend's network is the service's business")
+    r = sandbox.run(code, LIMITS)
+    assert r.status == "denied" and gone(r), r
+
+
 def test_the_status_comes_from_how_the_tool_ended_not_from_what_it_printed(
         sandbox: Sandbox, code: str, status: str) -> None:
     assert sandbox.run(code, LIMITS).status == status

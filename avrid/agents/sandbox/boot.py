@@ -7,8 +7,9 @@ back), runs the tool's code, and turns how the code ended into its exit status:
     0      the code finished (or called sys.exit(0))
     81     it ended with MemoryError                      -> status "memory"
     82     it ended with a refusal: PermissionError, or   -> status "denied"
-           OSError EROFS/EPERM/EACCES/ENETUNREACH (a write outside the scratch directory,
-           the network that is not there)
+           OSError EROFS/EPERM/EACCES/ENETUNREACH, or a failed name lookup (a write outside
+           the scratch directory, the network that is not there; urllib's URLError is
+           judged by the error it wraps)
     1      it ended with any other exception (its "Type: message" is the last line of
            standard error, which becomes the observation)          -> status "error"
     other  its own sys.exit(n) / os._exit(n); a signal kills it    -> status "error"
@@ -57,10 +58,14 @@ except BaseException as _e:
     except BaseException:  # formatting may itself run out of memory
         _line = type(_e).__name__
     _sys.stderr.write("\n" + _line + "\n")
-    _refused = (_errno.EROFS, _errno.EPERM, _errno.EACCES, _errno.ENETUNREACH)
-    _status = 81 if isinstance(_e, MemoryError) else 82 if (
-        isinstance(_e, OSError) and (isinstance(_e, PermissionError)
-                                     or _e.errno in _refused)) else 1
+    _cause = getattr(_e, "reason", None)  # urllib wraps the socket's error in URLError
+    _cause = _cause if isinstance(_cause, OSError) else _e
+    _socket = _sys.modules.get("socket")
+    _refused = isinstance(_cause, PermissionError) or (
+        isinstance(_cause, OSError) and _cause.errno in (
+            _errno.EROFS, _errno.EPERM, _errno.EACCES, _errno.ENETUNREACH)) or (
+        _socket is not None and isinstance(_cause, _socket.gaierror))
+    _status = 81 if isinstance(_e, MemoryError) else 82 if _refused else 1
 _sys.exit(_status)
 """
 
