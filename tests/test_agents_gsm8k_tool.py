@@ -13,8 +13,10 @@ import pytest
 
 from avrid.agents.episodes import run_episodes
 from avrid.agents.gsm8k_tool import CLOSE, OPEN, Gsm8kToolTask
+from avrid.agents.sandbox import use_sandbox
 from avrid.ppo.engines.torch_engine import Completion, SamplingParams
 from avrid.ppo.setup.tokenizer import HFTokenizer
+from tests.test_agents_sandbox import local_sandbox
 
 pytestmark = pytest.mark.chapter(7)
 
@@ -72,10 +74,12 @@ def test_a_python_call_then_the_answer(tmp_path: Path, answer: str, reward: floa
     # The scripted call goes on past the marker: the stop must cut it there.
     policy = ScriptedPolicy([call + tok.encode_text("41 41"), final])
     prompt = task.train_prompts()[0]
-    [traj], _ = run_episodes(policy, [task.make_env(prompt)], tokenizer=tok,
-                             limits=task.limits, prompts=[prompt],
-                             params=SamplingParams(max_new_tokens=1,
-                                                   stop_token_ids=(tok.eos_token_id, *stop)))
+    with use_sandbox(local_sandbox()):
+        [traj], _ = run_episodes(policy, [task.make_env(prompt)], tokenizer=tok,
+                                 limits=task.limits, prompts=[prompt],
+                                 params=SamplingParams(max_new_tokens=1,
+                                                       stop_token_ids=(tok.eos_token_id,
+                                                                       *stop)))
     assert list(traj.prompt) == tok.encode(prompt.text)  # the chat template, as prompts get
     kinds = [kind for kind, _, _ in traj.turns]
     assert kinds == ["policy", "observation", "policy"]

@@ -47,6 +47,18 @@ def namespaces_or_skip() -> Sandbox:
     return sandbox
 
 
+def local_sandbox() -> Sandbox:
+    """The best local backend here: namespaces, else (said in the test's output) process,
+    for tests of something else that runs a tool (a recipe, the episode loop)."""
+    sandbox = make_sandbox("namespaces")
+    try:
+        sandbox.check()
+    except SandboxUnavailable as e:
+        print(f"namespaces unavailable ({e}): the process backend instead")
+        return process_sandbox()
+    return sandbox
+
+
 def process_sandbox() -> Sandbox:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "not a boundary": we know
@@ -228,6 +240,23 @@ def test_run_python_uses_the_sandbox_of_the_context() -> None:
     with use_sandbox(process):
         assert run_python("print(1)", LIMITS).backend == "process"
     assert run_python("print(1)", LIMITS, sandbox=process).backend == "process"
+
+
+def test_a_namespaces_backend_that_cannot_start_says_why_and_never_falls_back() -> None:
+    """Where bubblewrap is missing or user namespaces are refused, the backend raises with the
+    reason and the alternatives, on `check` and on every call: it never runs the code in a
+    weaker backend instead."""
+    from avrid.agents.sandbox.namespaces import NamespaceSandbox
+
+    for bwrap, says in (("/bin/false", "could not create its namespaces"),
+                        ("/nonexistent/bwrap", "could not be started")):
+        sandbox = NamespaceSandbox(bwrap=bwrap)
+        with pytest.raises(SandboxUnavailable, match=says) as error:
+            sandbox.check()
+        assert "tools.sandbox='remote'" in str(error.value)
+        assert "tools.sandbox='process' (NOT a security boundary)" in str(error.value)
+        with pytest.raises(SandboxUnavailable, match=says):
+            sandbox.run("print(1)", LIMITS)
 
 
 def test_the_process_backend_warns_that_it_is_not_a_boundary() -> None:
