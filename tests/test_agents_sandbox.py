@@ -296,3 +296,32 @@ def test_quick_calls_in_a_row_all_end_ok(sandbox: Sandbox) -> None:
     never read as a timeout (one in five did, before the parent waited for the exit)."""
     statuses = [sandbox.run("print(1)", LIMITS).status for _ in range(40)]
     assert statuses == ["ok"] * 40
+
+
+def test_cleanup_reports_what_it_cannot_remove_instead_of_raising(tmp_path: Path) -> None:
+    """An immutable file (a root tool can set the flag) cannot be unlinked by anyone without
+    CAP_LINUX_IMMUTABLE: `remove_tree` removes everything else, names it, and returns."""
+    import fcntl
+    import struct
+
+    from avrid.agents.sandbox.cleanup import remove_tree
+
+    tree = tmp_path / "tool"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "stuck").write_text("x")
+    (tree / "a" / "gone").write_text("y")
+    fs_ioc_setflags, immutable = 0x40086602, 0x10
+    with open(tree / "a" / "b" / "stuck") as f:
+        try:
+            fcntl.ioctl(f, fs_ioc_setflags, struct.pack("l", immutable))
+        except OSError as e:
+            pytest.skip(f"cannot make a file immutable here ({e.strerror})")
+    try:
+        left = remove_tree(str(tree))
+        assert [entry.rsplit(":", 1)[0] for entry in left] == \
+            [str(tree / "a" / "b" / "stuck"), str(tree / "a" / "b"), str(tree / "a"), str(tree)]
+        assert not (tree / "a" / "gone").exists()
+    finally:
+        with open(tree / "a" / "b" / "stuck") as f:
+            fcntl.ioctl(f, fs_ioc_setflags, struct.pack("l", 0))
+    assert remove_tree(str(tree)) == [] and not tree.exists()
