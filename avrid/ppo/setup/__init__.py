@@ -2,25 +2,26 @@
 
 Read in this order:
 
-1.  config.py       `PPOConfig`: nine frozen sections, every field documented and checked alone
+1.  config.py       `PPOConfig`: ten frozen sections, every field documented and checked alone
 2.  algo.py         its `algo` section: estimator, policy loss, KL, clips, score shaping
 3.  rollout.py      its `rollout` section: engine, sampling, vLLM's GPU share, seed mode
 4.  memory.py       its `memory` section: packing, attention kernel, log-prob chunk, offload
 5.  lora.py         its `lora` section: LoRA rank, alpha, target modules, what vLLM is sent
 6.  pipeline.py     its `pipeline` section (chapter 6): sync, one-step-off or async, and K
-7.  validate.py     `validate`: every check that involves more than one field, in one place
-8.  overrides.py    ``section.field=value`` assignments (the command line's ``--set``)
-9.  presets.py      named configs (`tiny-ppo`, `tiny-grpo`, `small-cpu`, `qwen-gsm8k`)
-10. field_help.py   every field's type, default and docstring (``--help-config``)
-11. config_file.py  a config as a YAML/JSON file, out and back in (``--print-config``, ``--config``)
-12. task.py         the `Task` contract: prompts, a verifiable reward, `check_reward`
-13. digits.py       the built-in digit task a tiny model learns on a CPU
-14. gsm8k.py        grade-school maths from a local GSM8K file, for real models
-15. catalog.py      `load_task`: a task by name or by ``package.module:factory``
-16. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
-17. memory_shapes.py    a model's shape without loading it (``--estimate-memory``)
-18. memory_estimate.py  the predicted peak bytes of each phase per GPU, by component
-19. memory_report.py    ``--estimate-memory``'s table, its verdict and a layout that fits
+7.  tools.py        its `tools` section (chapter 7): which sandbox runs a task's tool code
+8.  validate.py     `validate`: every check that involves more than one field, in one place
+9.  overrides.py    ``section.field=value`` assignments (the command line's ``--set``)
+10. presets.py      named configs (`tiny-ppo`, `tiny-grpo`, `small-cpu`, `qwen-gsm8k`)
+11. field_help.py   every field's type, default and docstring (``--help-config``)
+12. config_file.py  a config as a YAML/JSON file, out and back in (``--print-config``, ``--config``)
+13. task.py         the `Task` contract: prompts, a verifiable reward, `check_reward`
+14. digits.py       the built-in digit task a tiny model learns on a CPU
+15. gsm8k.py        grade-school maths from a local GSM8K file, for real models
+16. catalog.py      `load_task`: a task by name or by ``package.module:factory``
+17. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
+18. memory_shapes.py    a model's shape without loading it (``--estimate-memory``)
+19. memory_estimate.py  the predicted peak bytes of each phase per GPU, by component
+20. memory_report.py    ``--estimate-memory``'s table, its verdict and a layout that fits
 
 Pure: nothing here imports Ray, and nothing starts a process or loads a model.
 """
