@@ -15,7 +15,8 @@ off; a red team did so in one line. Here the boundary is the kernel's. Each call
     network namespace    loopback only, and nothing listens there
     IPC, UTS, cgroup     their own (no shared memory or semaphores with the host)
     seccomp              the calls in `seccomp.py` answer EPERM
-    rlimits              memory, CPU, file size, open files, processes (`boot.py`)
+    rlimits              memory, CPU, file size, open files, processes (`boot.py`); a
+                         root driver's calls get a pids cgroup each instead (`cgroup.py`)
     environment          empty; the code comes on standard input, never in a file
 
 Nothing is written on the host: the scratch directory is memory that the kernel frees with
