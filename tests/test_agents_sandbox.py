@@ -9,6 +9,7 @@ backend are `test_agents_sandbox_escapes.py`."""
 
 from __future__ import annotations
 
+import ast
 import os
 import sysconfig
 import tempfile
@@ -190,7 +191,7 @@ def test_the_tools_environment_is_empty(sandbox: Sandbox, monkeypatch: pytest.Mo
     monkeypatch.setenv("AVRID_SECRET_TOKEN", canary)
     r = sandbox.run("import os; print(sorted(os.environ.items()))", LIMITS)
     assert r.status == "ok" and canary not in r.output
-    names = {name for name, _ in eval(r.output)}  # a list of pairs, as printed
+    names = {name for name, _ in ast.literal_eval(r.output)}  # a list of pairs, as printed
     # What is there is the interpreter's own (PEP 538's LC_CTYPE) and bubblewrap's PWD.
     assert names <= {"LC_CTYPE", "PWD"}, names
 

@@ -18,6 +18,7 @@ Not here: the loop (`episodes.py`), the driver (`trainer.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -59,9 +60,7 @@ def episode_limits(task: AgentTask, max_response: int) -> EpisodeLimits:
     context and the trainer's shapes are sized for it)."""
     lim = task.limits
     tokens = min(lim.max_tokens, max_response)
-    return EpisodeLimits(max_turns=lim.max_turns, turn_tokens=min(lim.turn_tokens, tokens),
-                         max_tokens=tokens, tool_wall_s=lim.tool_wall_s,
-                         step_wall_s=lim.step_wall_s)
+    return dataclasses.replace(lim, turn_tokens=min(lim.turn_tokens, tokens), max_tokens=tokens)
 
 
 def agent_shard(engine: Any, shard: Shard, identity: WorkerIdentity, *, task: AgentTask,

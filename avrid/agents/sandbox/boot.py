@@ -26,6 +26,7 @@ Not here: how the child is started and isolated (the backends).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -80,6 +81,7 @@ def rlimits(limits: ToolLimits) -> tuple[tuple[str, int], ...]:
             ("RLIMIT_CORE", 0))
 
 
+@functools.cache
 def site_paths() -> tuple[str, ...]:
     """This interpreter's site-packages directories. A local child starts with ``-S`` (no
     `site`: it saves ~45 ms a call, most of it .pth hooks such as an editable install's)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import typing
 from collections.abc import Iterator
 from typing import Literal
 
@@ -31,7 +32,7 @@ from avrid.agents.sandbox.process import ProcessSandbox
 from avrid.agents.sandbox.remote import RemoteSandbox
 
 SandboxName = Literal["namespaces", "remote", "process"]
-SANDBOXES: tuple[str, ...] = ("namespaces", "remote", "process")
+SANDBOXES: tuple[str, ...] = typing.get_args(SandboxName)
 
 _current: contextvars.ContextVar[Sandbox | None] = contextvars.ContextVar(
     "avrid_sandbox", default=None)

@@ -68,9 +68,11 @@ def find_bwrap() -> str | None:
         return shutil.which("bwrap")
 
 
-def runtime_binds() -> list[str]:
+@functools.cache
+def runtime_binds() -> tuple[str, ...]:
     """bubblewrap arguments that show the runtime read-only (see `SYSTEM_DIRS`,
-    `PREFIX_PARTS`); a host directory that is a symlink (merged /usr) stays one."""
+    `PREFIX_PARTS`); a host directory that is a symlink (merged /usr) stays one. Worked out
+    once per process: the interpreter's directories do not move while it runs."""
     args: list[str] = []
     for path in SYSTEM_DIRS:
         if os.path.islink(path):
@@ -86,7 +88,7 @@ def runtime_binds() -> list[str]:
                 args += ["--ro-bind", real, path]
                 if real != path and not _under_system(path):
                     args += ["--ro-bind", real, real]  # where its own symlinks point
-    return args
+    return tuple(args)
 
 
 def _under_system(path: str) -> bool:
