@@ -57,6 +57,13 @@ class ModelInputs:
     """(n, T) float32, 1 on the response tokens the policy generated (`action_mask`): what
     the losses and their metrics weight. `response_mask` itself when the batch has no
     "action_mask" column (every response token is the policy's)."""
+    cu_seqlens: torch.Tensor | None = None
+    """Packed: (n + 1,) int32, where each sequence starts in the row, then its length (the
+    row's offsets, as flash-attn's varlen kernel takes them); None when right-padded. With
+    `longest`, made once here so that no attention layer reads the boundaries back from the
+    position ids (`packed_attention.varlen_kwargs`)."""
+    longest: int = 0
+    """Packed: the longest sequence's tokens (a Python int, read from the device once)."""
 
 
 def model_inputs(batch: Batch, pad_id: int, *, packed: bool = True) -> ModelInputs:
@@ -105,7 +112,9 @@ def packed_inputs(batch: Batch, pad_id: int) -> ModelInputs:
     return ModelInputs(input_ids=input_ids[None], attention_mask=torch.ones_like(input_ids)[None],
                        position_ids=position_ids[None], logit_index=logit_index,
                        response_ids=response_ids, response_mask=resp_mask,
-                       action_mask=action_mask(batch))
+                       action_mask=action_mask(batch),
+                       cu_seqlens=tokens.offsets.to(torch.int32),
+                       longest=int(total.max()) if len(batch) else 0)
 
 
 def padded_inputs(batch: Batch, pad_id: int) -> ModelInputs:

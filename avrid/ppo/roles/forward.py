@@ -36,6 +36,7 @@ from avrid.dispatch import Batch, Shard
 from avrid.ppo.algo.logprobs import chunked_logprobs
 from avrid.ppo.algo.losses import token_weights
 from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, sample_loss_mask
+from avrid.ppo.engines.packed_attention import varlen_kwargs
 from avrid.results import ResultBuilder
 
 
@@ -95,6 +96,10 @@ def run_model(model: torch.nn.Module, x: ModelInputs, **kwargs) -> ModelOutput:
     # and masks attention block-diagonally (eager/sdpa; flash-attn 2's varlen kernel when
     # the model was loaded with attn_implementation="flash_attention_2").
     mask = None if bool(x.attention_mask.all()) else x.attention_mask
+    if x.cu_seqlens is not None and mask is None:
+        # The packed row's boundaries, made once: every layer's kernel (flash-attn's varlen
+        # path, `packed_attention`'s) takes them instead of syncing on the position ids.
+        kwargs = {**varlen_kwargs(x.cu_seqlens, x.longest), **kwargs}
     return model(input_ids=x.input_ids, attention_mask=mask, position_ids=x.position_ids,
                  use_cache=False, **kwargs)
 
