@@ -5,6 +5,7 @@ name, and `tests.helpers` stays torch-free)."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -74,6 +75,10 @@ class CountingLearner(LearnerWorker):
         in; none where it is not in the push group)."""
         return _push_counts(self._transfer)
 
+    def push_deadline(self) -> float:
+        """When the last push must have finished, as rank 0 polls it (`time.monotonic()`)."""
+        return self._deadline
+
 
 class CountingRollout(RolloutWorker):
     """Reports its process's push groups and its member's broadcasts."""
@@ -103,3 +108,34 @@ class ExitingReceiver(RaisingReceiver):
 
     def _stop(self) -> None:
         os._exit(1)
+
+
+class ExitingReceiverSlowPeers(ExitingReceiver):
+    """As `ExitingReceiver`; the other ranks take 5 s over each generation once trained
+    weights arrived, so the driver cannot learn of the death from a finished generation
+    before the trainer's next call."""
+
+    def generate(self, shard: Shard, **kwargs: object) -> WorkerResult:
+        if self.identity.rank != self.identity.world_size - 1 and self.version:
+            time.sleep(5.0)
+        return super().generate(shard, **kwargs)
+
+
+class WatchdogLearner(CountingLearner):
+    """Trainer rank 0's process ends once the broadcasts of its second push are over, as
+    NCCL's watchdog ends it for broadcasts that a dead receiver left unfinished (gloo, which
+    these tests run, fails them and lets the process live)."""
+
+    pushes = 0
+
+    def push_weights(self) -> tuple[dict[str, int], float, float]:
+        self.pushes += 1  # an instance count
+        out = super().push_weights()
+        if self.identity.rank == 0 and self.pushes == 2:
+            # Every bucket handed over first, so the receiver gets as far as its death.
+            until = time.monotonic() + 30.0
+            while time.monotonic() < until and not all(
+                    work.is_completed() for work, _ in self._posted):
+                time.sleep(0.01)
+            os._exit(1)
+        return out

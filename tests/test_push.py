@@ -8,7 +8,12 @@
   the push group broadcasts nothing;
 - a rollout receiver that stops mid-push (after its first bucket) stops the run with an
   error naming it, well within the push timeout (`train.call_timeout_s`, set small here);
-- `PushGroup.wait` reports a broadcast nobody receives within its timeout, never hangs.
+- `PushGroup.wait` reports a broadcast nobody receives within its timeout, never hangs;
+- the timeouts are ordered: the backend's own (NCCL's watchdog, which ends the process)
+  outlasts every deadline avrid polls with by `BACKEND_MARGIN_S`, and trainer rank 0 counts
+  its deadline from the start of the push, not from after posting every bucket;
+- a receiver that dies mid-push and takes trainer rank 0 with it (NCCL's watchdog, played
+  here by a learner that ends its process) is reported as the receiver, not as rank 0.
 
 On gloo: in-process threads (fast) and Ray processes (slow: two trainer and two rollout ranks,
 and a receiver whose process really dies); the same run over NCCL on two GPUs is marked
@@ -24,8 +29,8 @@ import time
 import pytest
 import torch
 
-from avrid.pipeline import PipelinedTrainer, transfer
-from avrid.pipeline.push_group import PushGroup, PushTimeout
+from avrid.pipeline import PipelinedTrainer, learner, transfer
+from avrid.pipeline.push_group import BACKEND_MARGIN_S, PushGroup, PushTimeout
 from avrid.pipeline.transfer import push_buckets
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
@@ -36,7 +41,9 @@ from tests.pipeline_workers import (
     CountingLearner,
     CountingRollout,
     ExitingReceiver,
+    ExitingReceiverSlowPeers,
     RaisingReceiver,
+    WatchdogLearner,
 )
 
 pytestmark = pytest.mark.chapter(6)
@@ -82,6 +89,11 @@ class WithRaisingReceiver(Counting):
 
 class WithExitingReceiver(Counting):
     rollout_worker = ExitingReceiver
+
+
+class WithWatchdog(Counting):
+    policy_worker = WatchdogLearner
+    rollout_worker = ExitingReceiverSlowPeers
 
 
 def counted_run(cfg: PPOConfig) -> tuple[Counting, list, list, list[dict], int]:
@@ -176,6 +188,54 @@ def test_wait_reports_a_broadcast_nobody_receives_within_its_timeout() -> None:
     assert seen["after"] < timeout_s + 2.0  # reported, not hung
 
 
+def test_the_backend_timeout_outlasts_every_deadline_the_members_poll_with() -> None:
+    # Both members of a two-rank group (threads): the backend's own timeout (gloo's here,
+    # NCCL's watchdog on GPU) ends an operation only a margin after avrid's deadline for it.
+    port, timeout_s, seen = free_port(), 2.0, {}
+
+    def member(rank: int) -> None:
+        group = PushGroup("127.0.0.1", port, rank=rank, world_size=2, device="cpu",
+                          timeout_s=timeout_s)
+        seen[rank] = group._backend.options._timeout.total_seconds(), group.timeout_s
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(seen) == 2
+    for backend, polled in seen.values():
+        assert backend >= polled + BACKEND_MARGIN_S, (
+            f"the backend ends an operation after {backend:g} s, avrid's deadline for it "
+            f"is {polled:g} s: the backend must come {BACKEND_MARGIN_S:g} s later")
+
+
+SLOW_POST_S = 1.0
+"""How long trainer rank 0's gathering and posting takes in the next test (a 7B model's)."""
+
+
+def test_trainer_rank_0_counts_its_deadline_from_the_start_of_the_push(
+        small_buckets: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[float] = []
+    post = learner.post_buckets
+
+    def slow_post(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - post_buckets' own
+        started.append(time.monotonic())  # before the first bucket is gathered or posted
+        posted = post(*args, **kwargs)
+        time.sleep(SLOW_POST_S)
+        return posted
+
+    monkeypatch.setattr(learner, "post_buckets", slow_post)
+    with Counting(config(steps=1)) as tr:  # in-process: one clock for every rank
+        tr.start()  # its push is checked before it returns
+        deadline = tr.policy.call_ranks([0], CountingLearner.push_deadline)[0]
+    # Every broadcast was posted after `started`: NCCL's watchdog ends none of them before
+    # started + the backend's timeout, which avrid's deadline must precede by the margin.
+    assert deadline - started[-1] <= TIMEOUT_S, (
+        f"trainer rank 0 polls until {deadline - started[-1]:.2f} s after the push began, "
+        f"past the push timeout of {TIMEOUT_S} s")
+
+
 # ---- gloo, Ray: two trainer and two rollout ranks --------------------------------------------
 
 @pytest.mark.slow
@@ -188,6 +248,16 @@ def test_one_group_per_member_and_one_broadcast_per_bucket_on_ray(
 def test_a_receiver_that_dies_mid_push_is_named_within_the_timeout(
         small_buckets: None, ray_cluster: None) -> None:
     seconds = seconds_to_failure(config(backend="ray"), WithExitingReceiver,
+                                 r"rollout\[1\]\.receive_weights\(\) died")
+    assert seconds < TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_a_receiver_death_that_ends_trainer_rank_0_is_reported_as_the_receivers(
+        small_buckets: None, ray_cluster: None) -> None:
+    # Rollout rank 1 dies mid-push; trainer rank 0's process then ends at its next call (as
+    # NCCL's watchdog ends it): the run stops naming rollout rank 1, not trainer rank 0.
+    seconds = seconds_to_failure(config(backend="ray"), WithWatchdog,
                                  r"rollout\[1\]\.receive_weights\(\) died")
     assert seconds < TIMEOUT_S
 

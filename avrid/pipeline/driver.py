@@ -55,6 +55,7 @@ from avrid.dispatch import Batch
 from avrid.pipeline import report
 from avrid.pipeline.learner import LearnerWorker
 from avrid.pipeline.placement import pipeline_placement
+from avrid.pipeline.posted_push import PostedPush, failed_receiver
 from avrid.pipeline.resume import PipelineState
 from avrid.pipeline.rollout import RolloutWorker
 from avrid.pipeline.staleness import (
@@ -70,7 +71,7 @@ from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.setup.config import PPOConfig
 from avrid.reshard import check_same, combine
 from avrid.results import Merged, Phases, ShardCall, Span, WorkerResult, start_shards
-from avrid.workers import PendingCall, PlacementPlan, WorkerError
+from avrid.workers import PlacementPlan, WorkerError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,18 +83,6 @@ class _InFlight:
     prompts: Batch
     call: ShardCall
     launched: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Push:
-    """A weight push posted to both pools, not yet checked (each rollout rank: `Received`)."""
-
-    submitted: float
-    sent: PendingCall  # per trainer rank: (partial fingerprints, start, end)
-    got: PendingCall  # per rollout rank: `Received`
-
-    def done(self) -> bool:
-        return self.sent.done() and self.got.done()
 
 
 class _TendingPhases(Phases):
@@ -136,7 +125,7 @@ class PipelinedTrainer(Trainer):
         self.next_gen = 0
         """The next step whose batch is to be generated."""
         self._inflight: _InFlight | None = None
-        self._pushing: _Push | None = None
+        self._pushing: PostedPush | None = None
         self._collected: list[Merged] = []  # generations finished during the current step
         self._spans: list[Span] = []  # pushes checked since the current step began
         self._push_trainer: list[float] = []  # and the seconds each cost the trainer ranks
@@ -253,7 +242,11 @@ class PipelinedTrainer(Trainer):
         if not 0 <= staleness <= self.gate.max_staleness:
             raise StalenessError(f"step {step}'s batch is {staleness} versions old; the "
                                  f"bound is {self.gate.max_staleness}")
-        batch, merged = self.learn(step, rollout.batch, phases)
+        try:
+            batch, merged = self.learn(step, rollout.batch, phases)
+        except WorkerError as failed:
+            self._blame_push(failed)
+            raise
         if self.updates_actor(step):
             self.trainer_version += 1
         self._pump()
@@ -340,7 +333,7 @@ class PipelinedTrainer(Trainer):
         if self._inflight is not None and not self.pushes_mid_generation:
             raise StalenessError("a weight push was started while a generation is in flight")
         self._settle_push(wait=True)  # the previous push, long finished: check it first
-        self._pushing = _Push(
+        self._pushing = PostedPush(
             submitted=time.time(),
             sent=self.policy.submit(self.policy_worker.push_weights),
             got=self.rollout.submit(self.rollout_worker.receive_weights, self.trainer_version))
@@ -382,6 +375,15 @@ class PipelinedTrainer(Trainer):
                              in zip(self.policy.identities, sent, strict=True)]
         self._push_ranks += [report.push_result(ident, r.start, r.end)
                              for ident, r in zip(self.rollout.identities, received, strict=True)]
+
+    def _blame_push(self, failed: WorkerError) -> None:
+        """A training phase failed while a push was unchecked: if a rollout rank broke that
+        push, raise its failure instead (`posted_push.failed_receiver`: on NCCL the watchdog
+        ends trainer rank 0 for it), with the trainer's as its context."""
+        if self._pushing is not None and failed.role != "rollout":
+            cause = failed_receiver(self._pushing, self.config.train.call_timeout_s)
+            if cause is not None:
+                raise cause from failed
 
     # ---- what a step reports (report.py) --------------------------------------------------
 

@@ -46,7 +46,7 @@ class LearnerWorker(PolicyWorker):
     # Rank 0: the last push's broadcasts, posted and not yet known to have finished, with
     # their buffers (kept alive until then), and when they were posted.
     _posted: tuple[tuple[dist.Work, torch.Tensor], ...] = ()
-    _posted_at = 0.0
+    _deadline = 0.0  # when the last push must have finished (`time.monotonic()`)
     _timeout_s = 0.0  # the push timeout (`join_transfer`)
 
     def _make_engine(self, model: torch.nn.Module) -> None:
@@ -92,6 +92,10 @@ class LearnerWorker(PolicyWorker):
                                f"push_weights()")
         start = time.time()
         self.finish_push()  # the previous push's broadcasts: long delivered by now
+        # From the start of this push, before any bucket is gathered or posted: no broadcast
+        # is older than its deadline's start, so the backend's timeout (later by a margin,
+        # `push_group.backend_timeout_s`) never passes first.
+        self._deadline = time.monotonic() + self._timeout_s
         # The fingerprints of this rank's own shards, cast as the engine holds them: added
         # up over the ranks (on the driver) they are the whole tensors' — whatever the
         # gather, the buckets and the broadcast did, the engine must end up with those.
@@ -118,12 +122,11 @@ class LearnerWorker(PolicyWorker):
             return cast.full_tensor() if isinstance(cast, DTensor) else cast
 
         self._posted = tuple(post_buckets(self._buckets, whole, self._transfer, self.device))
-        self._posted_at = time.monotonic()
         return sums, start, time.time()
 
     def finish_push(self) -> None:
         """Rank 0: wait until the last push's broadcasts have really finished — polled
-        against the push timeout from when they were posted (`PushGroup.wait`), so a rollout
+        against the push timeout from the start of that push (`PushGroup.wait`), so a rollout
         rank that died raises `PushTimeout` here instead of hanging or passing as "done" —
         then free their buffers. Other ranks posted nothing."""
         posted, self._posted = self._posted, ()
@@ -131,7 +134,7 @@ class LearnerWorker(PolicyWorker):
             return
         try:
             self._transfer.wait([work for work, _ in posted],
-                                deadline=self._posted_at + self._timeout_s,
+                                deadline=self._deadline,
                                 what=f"{self.identity.name}: the last weight push's "
                                      f"{len(posted)} bucket broadcasts")
         except BaseException:

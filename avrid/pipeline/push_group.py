@@ -4,8 +4,20 @@ The push group is trainer rank 0 plus the R rollout ranks (group rank 0 is train
 group rank 1 + j is rollout rank j): `transfer.py` says why only trainer rank 0. Every
 member builds it ONCE, at join time, from a TCP store that trainer rank 0 hosts (a process
 has one default group, and the trainer ranks' is already their FSDP group), over gloo on CPU
-and NCCL on GPU, with the push timeout given to the backend itself (NCCL's watchdog and
-gloo's transport both honour it). Then every push reuses it.
+and NCCL on GPU. Then every push reuses it.
+
+Two clocks bound a push, and their order matters. avrid's own deadlines (`wait`, every one
+set at or before the moment its operations are posted, `timeout_s` after it: a rollout rank's
+from the start of its receive, trainer rank 0's from the start of its push, before it gathers
+or posts a bucket) raise `PushTimeout`, naming the push, and the member then `leave`s. The
+backend's own timeout (NCCL's watchdog; gloo's transport) ends an operation older than it,
+and NCCL's watchdog, with the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ends the whole
+PROCESS: trainer rank 0 killed for a rollout rank's death, the other trainer ranks left
+waiting in FSDP collectives. So the backend gets `backend_timeout_s` = `timeout_s` +
+`BACKEND_MARGIN_S`: every deadline avrid polls with passes first, by at least the margin.
+Trainer rank 0 looks at its broadcasts only at its next push or at close; if a rollout rank
+dies while it trains, the watchdog may still end it in between, and the driver then reports
+the rollout rank, not trainer rank 0 (`posted_push.failed_receiver`).
 
 Two things this class makes explicit, because the library calls hide them:
 
@@ -22,7 +34,8 @@ Two things this class makes explicit, because the library calls hide them:
   failed operation's own error (gloo: the peer's closed connection or its timeout).
 
 Which member died is not knowable from here (a broadcast in a tree stalls everybody below
-the dead rank): the driver knows, because that worker's call fails (`driver._settle_push`).
+the dead rank): the driver knows, because that worker's call fails (`driver._settle_push`,
+`posted_push.failed_receiver`).
 
 Not here: what goes into the buckets (`transfer.py`), when to push (`driver.py`).
 """
@@ -40,6 +53,23 @@ POLL_S = 0.002
 """How often `wait` looks at unfinished operations (a 64 MiB bucket takes longer than that)."""
 
 
+BACKEND_MARGIN_S = 60.0
+"""How much longer than the push timeout the backend's own timeout is: far more than one
+poll (`POLL_S`) and a `leave` after a deadline passes, so that a member that is waiting
+always raises `PushTimeout` itself before NCCL's watchdog ends its process."""
+
+
+def backend_timeout_s(timeout_s: float) -> float:
+    """The backend's own timeout for a push group whose deadlines are `timeout_s` after the
+    start of what they bound (see the module docstring): strictly later than all of them.
+
+    Example:
+        >>> backend_timeout_s(3600.0) - 3600.0 == BACKEND_MARGIN_S
+        True
+    """
+    return timeout_s + BACKEND_MARGIN_S
+
+
 class PushTimeout(TimeoutError):
     """A push's collective did not finish before its deadline: a member died or stopped."""
 
@@ -55,17 +85,21 @@ class PushGroup:
                  timeout_s: float) -> None:
         """Join as group rank `rank` of `world_size`; every member calls it at once, and
         group rank 0 hosts the TCP store at `address:port`. `timeout_s` bounds the join and
-        every later operation (`wait`'s deadlines, and the backend's own timeout)."""
+        every later operation (`wait`'s deadlines); the backend's own timeout is later,
+        `backend_timeout_s(timeout_s)`."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout_s = timeout_s
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+        self.backend_timeout_s = backend_timeout_s(timeout_s)
+        """The backend's own timeout: NCCL's watchdog, gloo's transport."""
+        store = dist.TCPStore(address, port, world_size, is_master=rank == 0,
+                              timeout=timedelta(seconds=timeout_s))
+        backend = timedelta(seconds=self.backend_timeout_s)
         if device == "cuda":  # NCCL between GPUs (not run on the CPU machines of this course)
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout  # the watchdog aborts an operation older than this
+            options._timeout = backend  # the watchdog ends an operation older than this
             self._backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
-            self._backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            self._backend = dist.ProcessGroupGloo(store, rank, world_size, backend)
         PushGroup.built += 1
         self.broadcasts: list[int] = []
         """Bytes of each `broadcast` this member took part in, in order."""
