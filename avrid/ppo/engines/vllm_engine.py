@@ -196,7 +196,7 @@ class VllmEngine:
         VllmEngine._live = True
         VllmEngine._built_in_world = max(VllmEngine._built_in_world, world)
         # The sink also exposes `checksums(layout)` for the driver's stale-weight check.
-        self.sink = QuietVllmSink(self.llm)
+        self.sink: QuietVllmSink | None = QuietVllmSink(self.llm)
         self._asleep: set[str] = set()
         self.lora_rank = lora_rank
         self.adapter: tuple[int, int] | None = None
@@ -336,13 +336,20 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop the engine (and its TP worker processes) and free its memory now rather than
-        at garbage collection (`del` alone keeps it alive while anything refers to it)."""
+        at garbage collection (`del` alone keeps it alive while anything refers to it).
+        What holds the LLM or its model goes too: the sink, the adapter, the worker's LoRA
+        manager (vLLM's shutdown drops only the runner's own reference to the model). On a
+        GPU the weights stay in cumem's "weights" pool while anything holds them, and vLLM
+        refuses the process's next sleep-mode engine until that pool is empty."""
         llm, self.llm = self.llm, None
         if llm is None:
             return
+        self.sink, self.adapter = None, None
         try:
             shutdown = getattr(llm, "shutdown", None)
             with quiet_vllm():
+                if self.lora_rank:
+                    llm.collective_rpc(vllm_lora.drop_lora_manager)
                 if callable(shutdown):
                     shutdown()
                 else:  # vLLM versions without LLM.shutdown()
