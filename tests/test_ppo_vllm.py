@@ -7,11 +7,11 @@ ids in and out). Its head dim is 64, a size every vLLM attention backend support
 kernels refuse 16). One engine serves the module (sleep mode where the platform has it: one
 CuMem engine per process; one test switches it to seed_mode="batch"); a second, bf16
 engine is built and closed inside one test. The engine runs vLLM's V1 model runner (the
-only one the CPU build has; on CUDA avrid asks for it, see vllm_process.py). The hybrid engine's streamed sync
-(`weight_sync.WeightSync`: one reload per group of whole modules) is checked against vLLM's
-own loader here. Three tests need CUDA (vLLM has no sleep
-mode on CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep,
-and the level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
+only one the CPU build has; on CUDA avrid asks for it, see vllm_process.py). The hybrid
+engine's streamed sync (`weight_sync.WeightSync`: one reload per group of whole modules) is
+checked against vLLM's own loader here. Three tests need CUDA (vLLM has no sleep mode on
+CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep, and the
+level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
 The trainer's side of the log-prob checks is the code training runs (`tests.helpers`). With
 top-k/top-p the engine's log-probs are the behaviour policy's: the last two tests check them
 against `TorchEngine`'s own scoring of the same tokens and the cut against vLLM's own.

@@ -64,7 +64,7 @@ def test_another_vllm_release_is_refused_naming_both(monkeypatch: pytest.MonkeyP
 
 
 class Built(Exception):
-    """Raised by the fake ``vllm.LLM`` with the environment it was built under."""
+    """Raised by the fake ``vllm.LLM`` with the vLLM variables it was built under."""
 
     def __init__(self, environ: dict[str, str]) -> None:
         super().__init__("built")
@@ -72,11 +72,11 @@ class Built(Exception):
 
 
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``vllm`` module whose ``LLM`` raises `Built` with a copy of os.environ: what vLLM
-    would read while the engine is built (its version is the supported one; its platform a
-    CPU without sleep mode)."""
+    """A ``vllm`` module whose ``LLM`` raises `Built` with the ``VLLM_*`` variables of
+    os.environ: what vLLM would read while the engine is built (its version is the supported
+    one; its platform a CPU without sleep mode)."""
     def llm(**kwargs: object) -> None:
-        raise Built(dict(os.environ))
+        raise Built({name: os.environ[name] for name in os.environ if name.startswith("VLLM_")})
 
     module = types.ModuleType("vllm")
     module.__version__ = f"{vllm_process.SUPPORTED_VLLM}.0"  # type: ignore[attr-defined]
