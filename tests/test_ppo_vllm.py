@@ -6,11 +6,12 @@ random Qwen2 is saved with `save_pretrained` and served by vLLM without a tokeni
 ids in and out). Its head dim is 64, a size every vLLM attention backend supports (vLLM's CPU
 kernels refuse 16). One engine serves the module (sleep mode where the platform has it: one
 CuMem engine per process; one test switches it to seed_mode="batch"); a second, bf16
-engine is built and closed inside one test. The hybrid engine's streamed sync
-(`weight_sync.WeightSync`: one reload per group of whole modules) is checked against vLLM's
-own loader here. Three tests need CUDA (vLLM has no sleep
-mode on CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep,
-and the level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
+engine is built and closed inside one test. The engine runs vLLM's V1 model runner (the
+only one the CPU build has; on CUDA avrid asks for it, see vllm_process.py). The hybrid
+engine's streamed sync (`weight_sync.WeightSync`: one reload per group of whole modules) is
+checked against vLLM's own loader here. Three tests need CUDA (vLLM has no sleep mode on
+CPU) and are marked gpu as well: sleep and wake, a weight load refused while asleep, and the
+level-2 hand-over; `make gpu-test` runs them (in .venv-vllm-gpu).
 The trainer's side of the log-prob checks is the code training runs (`tests.helpers`). With
 top-k/top-p the engine's log-probs are the behaviour policy's: the last two tests check them
 against `TorchEngine`'s own scoring of the same tokens and the cut against vLLM's own.
@@ -118,6 +119,23 @@ def test_batch_seeding_keeps_both_guarantees(engine: VllmEngine,
     assert [c.token_ids for c in engine.generate(PROMPTS, other)] != first
     group = engine.generate([PROMPTS[0]] * 4, params)  # a GRPO group still differs
     assert len({c.token_ids for c in group}) > 1
+
+
+def _runs_v1_model_runner(worker: object) -> bool:
+    """On the engine's worker: whether its model runner is vLLM's V1 one (the CPU build's
+    `CPUModelRunner` derives from it; V2's runners live in ``vllm.v1.worker.gpu``/``cpu``)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return isinstance(worker.model_runner, GPUModelRunner)  # type: ignore[attr-defined]
+
+
+def test_the_engine_runs_vllms_v1_model_runner(engine: VllmEngine) -> None:
+    """Batch seeding seeds torch's RNG, which V1's sampler draws from; V2 (vLLM 0.32's default
+    where Triton is, i.e. CUDA) seeds unseeded requests from NumPy. The CPU build has no V2
+    (no Triton), so this is the check on CUDA (`make gpu-test`), where the batch seeding test
+    above is then also V1's."""
+    assert engine.llm.llm_engine.vllm_config.use_v2_model_runner is False
+    assert engine.llm.collective_rpc(_runs_v1_model_runner) == [True]
 
 
 def test_stop_tokens_end_a_row_and_are_kept(engine: VllmEngine) -> None:

@@ -10,7 +10,9 @@ code a policy rank runs) into a `VllmEngine` built with ``lora_rank``:
   same greedy tokens and the same log-probs;
 - a stale adapter (the engine keeps the previous tensors under the new version) is caught by
   the read-back fingerprint, which names the changed tensors and the version;
-- a PEFT adapter directory (what ``avrid export`` writes) serves through `read_adapter_dir`.
+- a PEFT adapter directory (what ``avrid export`` writes) serves through `read_adapter_dir`;
+- `close` lets the model and the LoRA manager go (on a GPU the next sleep-mode engine of the
+  process needs cumem's "weights" pool empty; a gpu test builds that engine).
 
 Two engines are built and closed in turn (vLLM allows one per process at a time).
 """
@@ -18,6 +20,8 @@ Two engines are built and closed in turn (vLLM allows one per process at a time)
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +216,51 @@ def test_on_cuda_a_level_one_sleep_keeps_the_base_and_the_next_adapter_serves(
         assert [c.token_ids for c in eng.generate(PROMPTS, greedy)] == before
     finally:
         eng.close()
+
+
+def _model_and_lora_manager(worker: Any) -> list[weakref.ref]:
+    """On the engine's worker: weak references to its model and its LoRA manager."""
+    runner = worker.model_runner
+    return [weakref.ref(runner.model), weakref.ref(runner.lora_manager)]
+
+
+def test_close_lets_the_model_and_the_lora_manager_go(tmp_path: Path) -> None:
+    """Before the fix the engine's sink kept the ``vllm.LLM`` alive after `close`, and with
+    it the worker's LoRA manager, which holds the model: on a GPU its weights stayed in
+    cumem's "weights" pool, and vLLM refused the process's next sleep-mode engine ("CuMem
+    allocator can only be used for one instance per process")."""
+    base, adapted = adapted_policy(seed=7)
+    base.save_pretrained(tmp_path / "base")
+    eng = engine(tmp_path / "base", lora_rank=8)
+    try:
+        AdapterSync(adapted, rank=0, engine_dtype=F32).run(adapted, eng, version=1)
+        (refs,) = eng.llm.collective_rpc(_model_and_lora_manager)
+        assert all(r() is not None for r in refs)
+    finally:
+        eng.close()
+    gc.collect()  # `eng` itself is still referenced here, as a caller's engine would be
+    assert [r() is None for r in refs] == [True, True], "close() left the model alive"
+
+
+@pytest.mark.gpu(duration_s=120)
+def test_on_cuda_a_sleep_mode_engine_builds_after_a_closed_lora_engine(tmp_path: Path) -> None:
+    """What the weakrefs above stand for on a GPU: vLLM builds the process's next sleep-mode
+    engine only once cumem's "weights" pool is empty."""
+    from avrid.ppo.engines.vllm_engine import VllmEngine
+
+    base, adapted = adapted_policy(seed=9)
+    base.save_pretrained(tmp_path / "base")
+    kwargs = {"max_model_len": 128, "seed": 0, "dtype": "float32",
+              "gpu_memory_utilization": 0.25}
+    eng = VllmEngine(str(tmp_path / "base"), lora_rank=8, **kwargs)
+    try:
+        assert eng.enable_sleep_mode
+        AdapterSync(adapted, rank=0, engine_dtype=F32).run(adapted, eng, version=1)
+    finally:
+        eng.close()
+    again = VllmEngine(str(tmp_path / "base"), **kwargs)
+    try:
+        assert again.enable_sleep_mode
+        assert len(again.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))) == 4
+    finally:
+        again.close()

@@ -12,6 +12,8 @@ Read in this order:
                     kernels for the fingerprint
 6. vllm_logs.py     the scope the vLLM engine works in: vLLM's own log lines and warnings
                     kept off the screen unless asked for, and put back afterwards
+7. vllm_process.py  what that engine asks of its process: the one vLLM release it supports,
+                    and the variables set while it is built (the V1 model runner everywhere)
 
 No Ray here; the policy worker (`roles/policy.py`) owns an engine per rank.
 """

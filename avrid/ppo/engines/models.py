@@ -233,23 +233,32 @@ def pad_left(prompts: Sequence[Sequence[int]],
     return ids, mask, positions
 
 
-def trainer_attention(choice: str, device: str, *, packed: bool) -> str:
-    """The attention kernel the trained models run for `memory.attention` = `choice` on
-    `device`, on `packed` rows (`memory.pack_sequences`) or right-padded ones.
+FLASH_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+"""The compute dtypes flash-attn runs ("only supports fp16 and bf16", at the first forward)."""
 
-    "auto" is flash-attn 2 on CUDA where the package is installed (its varlen kernel takes
-    packed rows as they are), else SDPA. SDPA on packed rows ("auto" or "sdpa") is
-    `packed_attention`'s kernel, one sequence at a time: transformers' own would attend over a
-    block-diagonal N x N mask. "eager" is itself (on packed rows: that N x N mask).
+
+def trainer_attention(choice: str, device: str, *, packed: bool, dtype: torch.dtype) -> str:
+    """The attention kernel the trained models run for `memory.attention` = `choice` on
+    `device` in compute dtype `dtype` (`model.dtype`), on `packed` rows
+    (`memory.pack_sequences`) or right-padded ones.
+
+    "auto" is flash-attn 2 on CUDA where the package is installed and the compute dtype is
+    one it runs (`FLASH_ATTENTION_DTYPES`: an fp32 model would reach flash-attn in fp32, since
+    transformers casts nothing, and fail at its first forward), else SDPA. SDPA on packed rows
+    ("auto" or "sdpa") is `packed_attention`'s kernel, one sequence at a time: transformers'
+    own would attend over a block-diagonal N x N mask. "eager" is itself (on packed rows: that
+    N x N mask).
 
     Example:
-        >>> trainer_attention("auto", "cpu", packed=True), trainer_attention("auto", "cpu",
-        ...                                                                  packed=False)
+        >>> fp32 = torch.float32
+        >>> trainer_attention("auto", "cpu", packed=True, dtype=fp32), trainer_attention(
+        ...     "auto", "cpu", packed=False, dtype=fp32)
         ('avrid_packed_sdpa', 'sdpa')
-        >>> trainer_attention("eager", "cpu", packed=True)
+        >>> trainer_attention("eager", "cpu", packed=True, dtype=fp32)
         'eager'
     """
-    if choice == "auto" and device == "cuda" and importlib.util.find_spec("flash_attn"):
+    if (choice == "auto" and device == "cuda" and dtype in FLASH_ATTENTION_DTYPES
+            and importlib.util.find_spec("flash_attn")):
         return "flash_attention_2"
     if choice in ("auto", "sdpa"):
         return packed_attention.register() if packed else "sdpa"

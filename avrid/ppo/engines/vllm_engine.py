@@ -20,11 +20,11 @@ tests of this file run the real engine in CI. Two choices make its log-probs mea
 - ``ignore_eos=True``: only the caller's `stop_token_ids` stop a row, as in `TorchEngine`
   (the trainer passes every EOS id of the tokenizer's generation config).
 
-Two process-wide settings are made before vLLM is imported, because the engine shares its
-process with a trainer: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING
-=0``, as verl's hybrid engine does; across processes vLLM cannot pass tensors to
-`collective_rpc`), and on CPU vLLM does not pin OpenMP threads to cores
-(``VLLM_CPU_OMP_THREADS_BIND=nobind``), which would fight the trainer's threads.
+The engine shares its process with a trainer, and asks three things of it while it is built
+(`vllm_process.py`): the vLLM release avrid is written against (any other is refused), the
+engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl's hybrid engine
+does), and vLLM's V1 model runner on GPUs as on CPUs (``VLLM_USE_V2_MODEL_RUNNER=0``: the
+runner batch seeding works with); the variables are put back once it is built.
 
 vLLM's own log lines and warnings stay off the screen: everything the engine does (building,
 generating, loading weights, also through `sink`) runs inside `vllm_logs.quiet_vllm`, which
@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from avrid.ppo.engines import vllm_lora
+from avrid.ppo.engines import vllm_lora, vllm_process
 from avrid.ppo.engines.torch_engine import Completion, SamplingParams
 from avrid.ppo.engines.vllm_logs import quiet_vllm
 from avrid.reshard.engines import VLLM_EXTENSION, VllmSink
@@ -135,10 +134,7 @@ class VllmEngine:
                  enforce_eager: bool | None = None, kv_cache_bytes: int | None = None,
                  load_format: str = "auto", seed_mode: str = "request", lora_rank: int = 0,
                  **llm_kwargs: Any) -> None:
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
-                               f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VllmEngine "
-                               "needs the engine core in its own process (unset it or set 0)")
+        vllm_process.check_user_environment()
         if VllmEngine._live:
             raise RuntimeError("a VllmEngine is already open in this process; close() it "
                                "first (vLLM's parallel state is process-global)")
@@ -156,11 +152,11 @@ class VllmEngine:
             raise ValueError("seed_mode='batch' seeds the sampler of this process's worker; "
                              "with tensor_parallel_size > 1 vLLM samples in other processes")
         self.seed_mode = seed_mode
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # vLLM's own lines (its config at INFO, CPU-build warnings, a harmless tokenizer
-        # traceback) would drown the run's output: see vllm_logs.py.
-        with quiet_vllm():
+        # traceback) would drown the run's output: see vllm_logs.py. The variables vLLM reads
+        # while it is built are set for that time only: see vllm_process.py.
+        with quiet_vllm(), vllm_process.engine_environment():
+            vllm_process.check_vllm_version(vllm_process.installed_vllm_version())
             from vllm import LLM
             from vllm.platforms import current_platform
 
@@ -200,7 +196,7 @@ class VllmEngine:
         VllmEngine._live = True
         VllmEngine._built_in_world = max(VllmEngine._built_in_world, world)
         # The sink also exposes `checksums(layout)` for the driver's stale-weight check.
-        self.sink = QuietVllmSink(self.llm)
+        self.sink: QuietVllmSink | None = QuietVllmSink(self.llm)
         self._asleep: set[str] = set()
         self.lora_rank = lora_rank
         self.adapter: tuple[int, int] | None = None
@@ -340,13 +336,20 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop the engine (and its TP worker processes) and free its memory now rather than
-        at garbage collection (`del` alone keeps it alive while anything refers to it)."""
+        at garbage collection (`del` alone keeps it alive while anything refers to it).
+        What holds the LLM or its model goes too: the sink, the adapter, the worker's LoRA
+        manager (vLLM's shutdown drops only the runner's own reference to the model). On a
+        GPU the weights stay in cumem's "weights" pool while anything holds them, and vLLM
+        refuses the process's next sleep-mode engine until that pool is empty."""
         llm, self.llm = self.llm, None
         if llm is None:
             return
+        self.sink, self.adapter = None, None
         try:
             shutdown = getattr(llm, "shutdown", None)
             with quiet_vllm():
+                if self.lora_rank:
+                    llm.collective_rpc(vllm_lora.drop_lora_manager)
                 if callable(shutdown):
                     shutdown()
                 else:  # vLLM versions without LLM.shutdown()

@@ -190,6 +190,13 @@ def adapter_checksums(worker: Any, lora_id: int) -> dict[str, int]:
     `lora_id` (`adapter_held`)."""
     return dict(fingerprint(adapter_held(worker, lora_id)).checksums)
 
+
+def drop_lora_manager(worker: Any) -> None:
+    """On a vLLM worker, as its engine closes: let go of its LoRA manager, which holds the
+    model (vLLM's shutdown drops only the model runner's own reference to it)."""
+    worker.model_runner.lora_manager = None
+
+
 def read_adapter_dir(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(PEFT-keyed tensors, config dict) of a PEFT adapter directory (``adapter_config.json``
     and ``adapter_model.safetensors``, e.g. ``avrid export``'s ``adapter/``), for

@@ -160,7 +160,8 @@ class TrainedWorker(Worker, abc.ABC):
         model = self._build_model() if model is None else model
         memory = self.config.memory
         model.set_attn_implementation(
-            trainer_attention(memory.attention, self.device, packed=memory.pack_sequences))
+            trainer_attention(memory.attention, self.device, packed=memory.pack_sequences,
+                              dtype=self.dtype))
         return model
 
     @abc.abstractmethod

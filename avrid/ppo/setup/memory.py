@@ -36,7 +36,8 @@ class MemoryConfig:
     give the same numbers up to float summation order."""
     attention: Attention = "auto"
     """The trained models' attention kernel: "auto" = "flash_attention_2" on CUDA when the
-    flash-attn package is installed (its varlen kernel runs packed rows without a mask), else
+    flash-attn package is installed and model.dtype is bfloat16 (its varlen kernel runs packed
+    rows without a mask; it has no fp32, so "flash_attention_2" itself needs bfloat16), else
     "sdpa" (PyTorch's fused attention, which never stores the heads x L x L weights; on packed
     rows one sequence at a time, `engines/packed_attention.py`); "eager" = the explicit
     softmax(QK^T)V (on packed rows over an N x N block-diagonal mask: slow, for checks).

@@ -155,10 +155,12 @@ PACKED_SDPA = "packed sdpa"
 
 def attention_kernel(config: PPOConfig) -> str:
     """The trained models' kernel, as `models.trainer_attention` picks it (without importing
-    torch): flash-attn 2 for "auto" on CUDA where installed; SDPA ("auto" or "sdpa") over
-    packed rows is the per-sequence kernel; otherwise the choice itself."""
+    torch): flash-attn 2 for "auto" on CUDA where installed, in bf16 (flash-attn has no
+    fp32); SDPA ("auto" or "sdpa") over packed rows is the per-sequence kernel; otherwise the
+    choice itself."""
     choice, device = config.memory.attention, config.placement.device
-    if choice == "auto" and device == "cuda" and importlib.util.find_spec("flash_attn"):
+    if (choice == "auto" and device == "cuda" and config.model.dtype == "bfloat16"
+            and importlib.util.find_spec("flash_attn")):
         return "flash_attention_2"
     if choice in ("auto", "sdpa"):
         return PACKED_SDPA if config.memory.pack_sequences else "sdpa"

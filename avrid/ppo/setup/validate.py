@@ -131,6 +131,11 @@ def _hardware(config: PPOConfig) -> None:
     need(config.memory.attention != "flash_attention_2" or p.device == "cuda",
          "memory.attention", "flash_attention_2 runs on CUDA only; on placement.device="
          f"{p.device!r} use 'auto', 'sdpa' or 'eager'")
+    # flash-attn runs fp16/bf16 only, and transformers casts nothing for it: an fp32 model
+    # would fail at its first forward ("auto" picks SDPA there instead).
+    need(config.memory.attention != "flash_attention_2" or m.dtype != "float32",
+         "memory.attention", "flash_attention_2 runs in bf16/fp16 only, but model.dtype="
+         f"{m.dtype!r}; set model.dtype='bfloat16' or use 'auto', 'sdpa' or 'eager'")
 
 
 def _rollout(config: PPOConfig) -> None:
