@@ -5,7 +5,7 @@
     avrid ppo --print-config  the config as YAML (`--print-config json`: as JSON), and
     avrid ppo --config FILE   a run of the config in that file (.yaml, .yml or .json)
     avrid ppo --help-config   every config field: its type, default and what it does
-    avrid ppo --estimate-memory [--gpu-memory 80GB]  peak memory per GPU and phase; fits?
+    avrid ppo --estimate-memory [--gpu-memory 80GB] [--gpus 8]  peak memory per GPU and phase
     (Ctrl-C, or a scheduler's SIGTERM, stops a run: exit 130 or 143 and how to resume it)
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
                             for its latest checkpoint, a checkpoints/ root or a step directory;
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE",
                      help="one GPU's memory for --estimate-memory: 80GB (default; GB = GiB, "
                      "as GPU makers count), 80GiB, 80, 40000MiB")
+    ppo.add_argument("--gpus", type=_gpu_count, metavar="N",
+                     help="how many GPUs there are, for --estimate-memory: the layout must "
+                     "fit in N and a suggested one uses at most N (default: one node of 8)")
     export = sub.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     export.add_argument("source", help="a run directory (its latest checkpoint), a checkpoints/ "
                         "root or a step directory")
@@ -244,13 +247,14 @@ def _ppo(args: argparse.Namespace) -> None:
         from avrid.ppo.setup.memory_report import report
 
         try:
-            print(report(config, args.gpu_memory or 80 << 30,
+            print(report(config, args.gpu_memory or 80 << 30, gpus=args.gpus,
                          label=args.config or f"preset {args.preset or 'tiny-ppo'}"), end="")
         except (ValueError, OSError) as e:  # an unknown model shape, an unreadable config.json
             _fail("avrid ppo --estimate-memory", e, debug=args.debug)
         return
-    if args.gpu_memory is not None:
-        _fail("avrid ppo", ValueError("--gpu-memory sizes the GPUs of --estimate-memory; "
+    if args.gpu_memory is not None or args.gpus is not None:
+        flag = "--gpu-memory sizes" if args.gpu_memory is not None else "--gpus counts"
+        _fail("avrid ppo", ValueError(f"{flag} the GPUs of --estimate-memory; "
                                       "add --estimate-memory"), debug=args.debug)
     ray_was_running, debug_was = _ray_running(), os.environ.get("AVRID_DEBUG")
     if args.debug:  # the workers read it too (vllm_logs.py): vLLM's own lines then show
@@ -293,6 +297,14 @@ def _gpu_memory(text: str) -> int:
         return parse_gpu_memory(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--gpu-memory: ")) from None
+
+
+def _gpu_count(text: str) -> int:
+    """--gpus's value: a whole number >= 1; anything else is argparse's usage error."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU count; allowed: a whole "
+                                         f"number >= 1, e.g. 8")
+    return int(text)
 
 
 def _preset_help() -> str:

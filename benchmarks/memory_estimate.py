@@ -5,11 +5,15 @@ tiny Qwen2 with a 32k vocabulary, hidden 256-384, 4-6 layers; packed or right-pa
 activation checkpointing off or on) ONE child process per run does what a policy rank does:
 a `PolicyWorker` (in-process identity, dp = 1, fp32 on CPU) is set up, its engine sleeps as
 after a generation (`handoff.to_trainer`), one update makes AdamW's state (warm-up), then the
-old-log-prob pass (`compute_logprobs`) and one update (`update`) are measured. A phase's peak
-is the child's resident high-water mark during it (VmHWM, reset through /proc/self/clear_refs
-when the phase starts; ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed tensors leave the resident
-set) minus the resident size before `setup`: the memory the worker holds at that peak, model
-and optimizer included — what `memory_estimate.estimate` predicts for a GPU.
+old-log-prob pass (`compute_logprobs`) and one update (`update`) are measured, and so is
+`setup` itself (the estimate's "setup" phase: the whole fp32 model and the engine's copy;
+measured about 25% above it on CPU, where building the model also leaves transformers'
+initialisation temporaries in the resident set — a GPU holds only what is moved to it).
+A phase's peak is the child's resident high-water mark during it (VmHWM, reset through
+/proc/self/clear_refs when the phase starts; ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed
+tensors leave the resident set) minus the resident size before `setup`: the memory the
+worker holds at that peak, model and optimizer included — what `memory_estimate.estimate`
+predicts for a GPU.
 
 The prediction is `estimate(config, vocab=32000, workload=<this batch>, runtime=0)`: the
 batch's own sizes (rows, tokens computed, longest row, response positions) instead of the
@@ -61,7 +65,7 @@ def main() -> None:
           f"{'ratio':>6}")
     for name in CONFIGS:
         runs = [run_child(name) for _ in range(args.repeats)]
-        for phase in ("resident", "logprobs", "update"):
+        for phase in ("setup", "resident", "logprobs", "update"):
             got = statistics.median(r[phase] for r in runs)
             want = runs[0]["predicted"][phase]
             print(f"{name:<20} {runs[0]['tokens']:>6} {phase:>9} {want / 2**20:>10.0f} "
@@ -147,7 +151,8 @@ def measure(name: str) -> dict:
     by_name = {p.name: p.peak for p in est.phases}
     resident = next(p for p in est.phases if p.name == "old log-probs").parts
     out["predicted"] = {"logprobs": by_name["old log-probs"], "update": by_name["actor update"],
-                        "resident": resident["optim"] + 4 * est.policy.params}
+                        "resident": resident["optim"] + 4 * est.policy.params,
+                        "setup": by_name["setup"]}
     out["tokens"] = est.workload.tokens
     return out
 

@@ -21,7 +21,8 @@ import pytest
 
 from avrid.cli import main
 from avrid.ppo.setup.config import PPOConfig
-from avrid.ppo.setup.memory_estimate import BUCKET_BYTES, TORCH_ENGINE_BATCH, GiB, estimate
+from avrid.ppo.setup.memory_activations import TORCH_ENGINE_BATCH
+from avrid.ppo.setup.memory_estimate import BUCKET_BYTES, GiB, estimate
 from avrid.ppo.setup.memory_report import parse_gpu_memory, suggest
 from avrid.ppo.setup.memory_shapes import KNOWN_SHAPES, shape_from_path
 from avrid.ppo.setup.overrides import with_overrides
@@ -167,7 +168,7 @@ def test_a_7b_config_gets_a_layout_that_fits_eight_80gb_gpus(
                             "--gpu-memory", "80GB", "--set", SEVEN_B)
     assert code == 0 and "built-in table (Qwen2.5-7B)" in out
     assert "does NOT fit" in out
-    tried = re.search(r"try \(actor_dp=(\d+).*?\): (.*?)  ->", out)
+    tried = re.search(r"try \((\d+) policy GPUs?\): (.*?)  ->", out)
     assert tried is not None and int(tried.group(1)) <= 8
     sets = re.findall(r"--set (\S+)", tried.group(2))
     code, again, _ = run_main(capsys, "ppo", "--preset", "qwen-gsm8k", "--estimate-memory",

@@ -189,11 +189,13 @@ def test_a_bf16_engine_with_some_modules_adapted_holds_exactly_what_the_check_ex
 
 
 @pytest.mark.gpu(duration_s=120)
+@pytest.mark.parametrize("level", [0, 1])
 def test_on_cuda_a_level_one_sleep_keeps_the_base_and_the_next_adapter_serves(
-        tmp_path: Path) -> None:
-    """The hand-over an adapter-serving engine makes on a GPU (`handoff.to_trainer(...,
-    keep_weights=True)`): level 1 offloads the base to host memory and brings it back on
-    waking, so the next sync sends the adapter alone and the engine serves what it did."""
+        tmp_path: Path, level: int) -> None:
+    """The hand-overs an adapter-serving engine makes on a GPU (`handoff.to_trainer(...,
+    level=...)`, `handoff.trainer_sleep_level`): level 1 offloads the base to host memory and
+    brings it back on waking, level 0 keeps it resident and releases the KV cache only; the
+    next sync sends the adapter alone and the engine serves what it did."""
     from avrid.ppo.engines.vllm_engine import VllmEngine
     from avrid.ppo.roles import handoff
 
@@ -208,7 +210,7 @@ def test_on_cuda_a_level_one_sleep_keeps_the_base_and_the_next_adapter_serves(
         sync.run(adapted, eng, version=1)
         before = [c.token_ids for c in eng.generate(PROMPTS, greedy)]
         free_awake, _ = torch.cuda.mem_get_info()
-        handoff.to_trainer(eng, keep_weights=True)
+        handoff.to_trainer(eng, level=level)
         assert torch.cuda.mem_get_info()[0] > free_awake  # the GPU went to the trainer
         handoff.wake_for_load(eng, "cuda")
         sync.run(adapted, eng, version=2)  # the adapter alone, checked by read-back

@@ -159,5 +159,5 @@ class AgentPolicyWorker(PolicyWorker):
                              schedule=self.config.rollout.agent_schedule,
                              segment_tokens=self.config.rollout.agent_segment_tokens,
                              weights=FixedVersion(version))
-        handoff.to_trainer(self.engine, keep_weights=self.adapter_sync is not None)
+        handoff.to_trainer(self.engine, level=self.sleep_level)
         return result

@@ -309,17 +309,23 @@ class VllmEngine:
         return bool(self._asleep)
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: weights offloaded to pinned host memory, KV cache dropped (and the prefix
-        cache with it). Level 2: weights dropped too — for an owner that holds the master
-        weights and reloads them after waking (the hybrid engine: no host copy, no copy back
-        that the reload would overwrite anyway). A no-op without sleep mode (CPU)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        """Level 0: the KV cache dropped (and the prefix cache with it), the weights kept
+        where they are — for a base model that never changes and fits beside the trainer
+        (LoRA adapters served: `handoff.trainer_sleep_level`). Level 1: weights offloaded to
+        pinned host memory as well. Level 2: weights dropped too — for an owner that holds
+        the master weights and reloads them after waking (the hybrid engine: no host copy, no
+        copy back that the reload would overwrite anyway). A no-op without sleep mode (CPU)."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
         if not self.enable_sleep_mode or self._asleep:
             return
         with quiet_vllm():
-            self.llm.sleep(level=level)
-        self._asleep = set(_SLEEP_TAGS)
+            if level == 0:  # vLLM's level 0 pauses the scheduler; then the KV cache goes
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+            else:
+                self.llm.sleep(level=level)
+        self._asleep = {"kv_cache"} if level == 0 else set(_SLEEP_TAGS)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         """Restore `tags` (default: weights, then the KV cache). Wake the weights alone to

@@ -8,7 +8,11 @@ how much memory each turn can use and how many bytes cross the PCIe bus:
                         released, no host copy: the trainer holds the master weights and the
                         next sync reloads them anyway (level 1 would copy them to pinned host
                         memory and back every step, only to overwrite them). An engine sent
-                        only LoRA adapters keeps its base: level 1 for it
+                        only LoRA adapters keeps its base, which never changes: level 0 (only
+                        the KV cache released, the base stays on the GPU) where the memory
+                        estimate says it fits beside the trainer, else level 1 (the base to
+                        pinned host memory and back, ~2 x 15 GB per step at 7B);
+                        `trainer_sleep_level` chooses, once, at setup
     weight sync         `wake_for_load`: free the trainer's cached blocks, wake the weights
                         only (the KV cache is the big allocation; not yet), then the sync
                         loads the new weights bucket by bucket (`weight_sync.py`)
@@ -34,7 +38,10 @@ from typing import Any
 
 import torch
 
-TRAINER_SLEEP_LEVEL = 2
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.memory_estimate import SLEEP_DROP, SLEEP_OFFLOAD, estimate
+
+TRAINER_SLEEP_LEVEL = SLEEP_DROP
 """The hybrid engine's sleep level: the trainer holds the master weights (see above)."""
 
 
@@ -45,12 +52,28 @@ def empty_cache(device: str | torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def to_trainer(engine: Any, *, keep_weights: bool = False) -> None:
-    """The engine releases the GPU to the trainer (a no-op if it already sleeps).
-    `keep_weights`: the next sync does not reload them (an engine sent only LoRA adapters
-    keeps its base model): level 1, weights offloaded to host memory and brought back."""
+def trainer_sleep_level(config: PPOConfig, *, adapters: bool, device: str | torch.device,
+                        vocab_size: int) -> int:
+    """The level this rank's engine sleeps at after generating (`memory_estimate.SLEEP_*`).
+    Sent whole weights at every sync (`adapters` False): `TRAINER_SLEEP_LEVEL`. Sent LoRA
+    adapters: what `memory_estimate.sleep_level` chooses for this GPU's memory — 0 (the base
+    stays resident) where the trainer's phases leave room for it, else 1. Off CUDA nothing
+    sleeps (no sleep mode): 1, the choice without an estimate."""
+    if not adapters:
+        return TRAINER_SLEEP_LEVEL
+    if torch.device(device).type != "cuda":
+        return SLEEP_OFFLOAD
+    gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    # An engine sent adapters never drops its base (nothing would send it again): at most 1.
+    return min(SLEEP_OFFLOAD, estimate(config, gpu_bytes=gpu_bytes,
+                                       vocab=vocab_size).sleep_level)
+
+
+def to_trainer(engine: Any, *, level: int = TRAINER_SLEEP_LEVEL) -> None:
+    """The engine releases the GPU to the trainer at `level` (`trainer_sleep_level`; a
+    no-op if it already sleeps)."""
     if not engine.asleep:
-        engine.sleep(level=1 if keep_weights else TRAINER_SLEEP_LEVEL)
+        engine.sleep(level=level)
 
 
 def wake_for_load(engine: Any, device: str | torch.device) -> None:

@@ -90,6 +90,9 @@ class PolicyWorker(TrainedWorker):
         self._engine_skeleton: torch.nn.Module | None = None  # meta init's torch engine
         self._reference_unfilled = False  # meta init: the reference's skeleton awaits its fill
         self.adapter_sync: AdapterSync | None = None  # lora.sync=adapter into vLLM
+        # What the engine releases after generating (`handoff.trainer_sleep_level`): set in
+        # `setup` once it is known whether the engine is sent adapters.
+        self.sleep_level = handoff.TRAINER_SLEEP_LEVEL
         self._version = 0  # the weight version the engine is sent next (names the adapter)
 
     def setup(self, weights: dict[str, torch.Tensor] | None = None,
@@ -114,6 +117,10 @@ class PolicyWorker(TrainedWorker):
                                world_size=ident.world_size, engine_dtype=self.dtype)
         if serves_adapters(self.config):  # the base never changes: sent once, here
             self.adapter_sync = AdapterSync(self.model, rank=ident.rank, engine_dtype=self.dtype)
+            # Its base never changes: kept on the GPU between steps where the estimate says
+            # the trainer leaves room for it, else offloaded to host memory and back.
+            self.sleep_level = handoff.trainer_sleep_level(
+                self.config, adapters=True, device=self.device, vocab_size=self.vocab_size)
             group = self.process_group if ident.world_size > 1 else None
             self.sync.run(self.served_shards(), self.engine.sink, group, self.device)
         # Before any generation the engine must hold exactly the actor's weights (a resumed
@@ -207,7 +214,7 @@ class PolicyWorker(TrainedWorker):
                                 max_new_tokens=max_new_tokens, greedy=greedy, seed=seed)
         # The GPU is the trainer's until the next sync; an engine that serves adapters keeps
         # its base weights (offloaded to host memory) instead of dropping them.
-        handoff.to_trainer(self.engine, keep_weights=self.adapter_sync is not None)
+        handoff.to_trainer(self.engine, level=self.sleep_level)
         return result
 
     # ---- log-probs -------------------------------------------------------------------------

@@ -18,7 +18,8 @@ in `setup`; a subclass adds only what is its own:
 Parameters and AdamW state are always fp32; `model.dtype` is the compute dtype (bf16 through
 FSDP2's mixed precision, which needs a process group even for one rank; see `fsdp.py`).
 `memory.cpu_offload` keeps them in host memory (FSDP2's CPU offload, a group even for one
-rank as well).
+rank as well), and the model is sharded from the CPU: only one FSDP unit at a time is ever
+on the GPU (`setup`; `setup/memory_setup.py` estimates each path's peak).
 
 A checkpoint is written by the ranks themselves: `save_shards` has every rank write its own
 shards of the model and of AdamW into the directory the driver names (`fsdp.py`), and
@@ -122,7 +123,11 @@ class TrainedWorker(Worker, abc.ABC):
                  else full)
         if isinstance(weights, dict):  # resuming from whole weights (an older checkpoint)
             model.load_state_dict(weights, strict=self.strict_load)
-        if not meta:
+        # Offloaded, the model stays on the CPU: `fully_shard` moves one unit at a time to
+        # the device, cuts this rank's shard and puts it in host memory (`CPUOffloadPolicy`),
+        # so the GPU never holds the whole fp32 model — nor does it while `_before_shard`
+        # builds the engine beside it (vLLM takes its share of the GPU then).
+        if not meta and not offload:
             model.to(self.device)
         count = sum(p.numel() for p in model.parameters())
         self._before_shard(model)
@@ -170,7 +175,8 @@ class TrainedWorker(Worker, abc.ABC):
         same weights (a seed from the config, or the same local checkpoint)."""
 
     def _before_shard(self, model: torch.nn.Module) -> None:
-        """Called once with the whole model (on its device, weights restored) just before
+        """Called once with the whole model (on its device, weights restored; on the CPU
+        with `memory.cpu_offload`, see `setup`) just before
         FSDP2 shards it in place: the moment to copy anything out of it. Under meta init
         (`from_skeleton`) it is the skeleton instead: shapes and names, no weights. Nothing
         here."""

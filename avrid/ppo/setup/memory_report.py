@@ -1,10 +1,11 @@
 """Chapter 5 — `avrid ppo --estimate-memory`'s table, its verdict and a layout that fits.
 
-`report(config, gpu_bytes)` prints `memory_estimate.estimate`'s phases as one table per GPU
-kind (the policy's GPU: actor, reference, engine, and a colocated critic; a separate critic's
-GPU), in GiB per component, then the verdict: "fits with X% headroom", or "does NOT fit" and
-the first layout of `suggest`'s ladder that does (more actor_dp, gradient checkpointing,
-smaller micro-batches, cpu_offload), as ``--set`` assignments.
+`report(config, gpu_bytes, gpus=N)` prints `memory_estimate.estimate`'s phases as one table
+per GPU kind (the policy's GPU: actor, reference, engine, and a colocated critic; a separate
+critic's GPU; in the pipeline modes a rollout GPU), in GiB per component, then the verdict:
+"fits with X% headroom", or "does NOT fit" and the first layout of `suggest`'s ladder that
+does (cheapest first: checkpointing and smaller micro-batches, LoRA, cpu_offload, then more
+GPUs, up to the ``--gpus`` there are), as ``--set`` assignments.
 
 `parse_gpu_memory` reads ``--gpu-memory``: "80GB", "80GiB", "80G" or "80" are 80 GiB (GPU
 makers' GB are binary: an "80 GB" H100 has 80 GiB of HBM), "40000MB"/"40000MiB" MiB.
@@ -18,11 +19,15 @@ import math
 import re
 
 from avrid.ppo.setup.config import PPOConfig
-from avrid.ppo.setup.memory_estimate import COMPONENTS, Estimate, GiB, estimate
+from avrid.ppo.setup.memory_estimate import COMPONENTS, Estimate, GiB, estimate, layout_gpus
 from avrid.ppo.setup.overrides import with_overrides
 
 MAX_DP = 8
-"""The most actor ranks `suggest` proposes (one node of 8 GPUs)."""
+"""The most actor ranks `suggest` proposes without ``--gpus`` (one node of 8 GPUs)."""
+SUGGESTED_LORA_RANK = 16
+"""The LoRA rank `suggest` proposes (a common choice: ~0.5% of a 7B model's parameters)."""
+GPU_KINDS = ("policy", "critic", "rollout")
+"""The tables' order: `Phase.gpu`'s kinds."""
 _UNITS = {"": GiB, "g": GiB, "gb": GiB, "gib": GiB, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
@@ -66,8 +71,13 @@ def table(est: Estimate, gpu: str) -> list[str]:
     return lines
 
 
-def verdict(est: Estimate, gpu_bytes: int) -> tuple[bool, str]:
-    """(fits, one line) for the worst phase of every GPU kind."""
+def verdict(est: Estimate, gpu_bytes: int, gpus: int | None = None) -> tuple[bool, str]:
+    """(fits, one line) for the worst phase of every GPU kind, and (with `gpus`) whether the
+    layout's GPUs are there at all."""
+    needed = sum(est.gpus.values())
+    if gpus is not None and needed > gpus:
+        return False, (f"does NOT fit: the layout takes {needed} GPUs "
+                       f"({_count(est)}), --gpus gives {gpus}")
     peak = est.peak()
     worst = max(est.phases, key=lambda p: p.peak)
     if peak <= gpu_bytes:
@@ -78,95 +88,127 @@ def verdict(est: Estimate, gpu_bytes: int) -> tuple[bool, str]:
                    f"{_gib(gpu_bytes)} GiB")
 
 
-def _ladder(config: PPOConfig) -> list[list[str]]:
-    """Layouts to try, cheapest first: checkpointing, then more ranks, then smaller
-    micro-batches, then offload (slowest)."""
+def _ladder(config: PPOConfig, gpus: int | None) -> list[list[str]]:
+    """Layouts to try, in order of what they cost (the first that fits is suggested):
+
+    1. activation checkpointing, then smaller micro-batches: the same run, with some
+       recompute and smaller kernels (a few % to ~30% slower steps);
+    2. LoRA (`SUGGESTED_LORA_RANK`; not for a run already on it): faster steps and far less
+       state, but it trains adapters, not the whole policy: a different run, so after 1;
+    3. cpu_offload: the same result, but every step moves the state over PCIe and AdamW
+       steps on the CPU (several times slower);
+    4. more GPUs (actor_dp doubled, up to `gpus` in all, or `MAX_DP` ranks without it):
+       hardware, the dearest knob, and only where there are GPUs to spare.
+    """
     p, t = config.placement, config.train
-    dps = [d for d in (1, 2, 4, 8) if p.actor_dp <= d <= max(MAX_DP, p.actor_dp)]
+    limit = MAX_DP if gpus is None else gpus
+    dps = [d for d in (1, 2, 4, 8, 16, 32, 64) if d == p.actor_dp or (
+        d > p.actor_dp and (d <= limit if gpus is None else _needed(config, d) <= gpus))]
     seq = config.rollout.max_prompt_tokens + (config.rollout.max_response_tokens or 256)
     mbts = [m for m in (t.micro_batch_tokens, t.micro_batch_tokens // 2,
                         t.micro_batch_tokens // 4) if m >= seq] or [t.micro_batch_tokens]
+    loras = [False] if config.lora.enabled else [False, True]
+    knobs = [(lora, False) for lora in loras] + [(lora, True) for lora in loras]
     out = []
-    for offload in (False, True):
-        for dp in dps:
+    for dp in dps:
+        for lora, offload in knobs:
             for mbt in mbts:
                 sets = [] if config.checkpoints_activations else [
                     "train.gradient_checkpointing=true"]
+                if mbt != t.micro_batch_tokens:
+                    sets.append(f"train.micro_batch_tokens={mbt}")
+                if lora:
+                    sets.append(f"lora.rank={SUGGESTED_LORA_RANK}")
+                if offload:
+                    sets.append("memory.cpu_offload=true")
                 if dp != p.actor_dp:
                     sets.append(f"placement.actor_dp={dp}")
                     if config.algo.uses_critic:  # its own ranks, sharded alike
                         sets.append(f"placement.critic_dp={dp}")
-                if mbt != t.micro_batch_tokens:
-                    sets.append(f"train.micro_batch_tokens={mbt}")
-                if offload:
-                    sets.append("memory.cpu_offload=true")
                 out.append(sets)
     return out
 
 
-def suggest(config: PPOConfig, gpu_bytes: int) -> tuple[list[str], Estimate] | None:
-    """The first layout of the ladder whose estimate fits `gpu_bytes` (its ``--set``
-    assignments and estimate), or None."""
-    for sets in _ladder(config):
+def _needed(config: PPOConfig, actor_dp: int) -> float:
+    """GPUs the layout takes with `actor_dp` actor ranks (a critic's ranks alike; a rollout
+    pool as configured, or as many as the actor's)."""
+    sets = [f"placement.actor_dp={actor_dp}"]
+    if config.algo.uses_critic:
+        sets.append(f"placement.critic_dp={actor_dp}")
+    try:
+        return sum(layout_gpus(with_overrides(config, sets)).values())
+    except ValueError:  # a layout the config refuses: never proposed
+        return math.inf
+
+
+def suggest(config: PPOConfig, gpu_bytes: int, gpus: int | None = None
+            ) -> tuple[list[str], Estimate] | None:
+    """The first layout of the ladder whose estimate fits `gpu_bytes` on at most `gpus` GPUs
+    (its ``--set`` assignments and estimate), or None."""
+    for sets in _ladder(config, gpus):
         try:
             candidate = with_overrides(config, sets)
         except ValueError:  # a combination the config refuses (e.g. vLLM's TP rules)
             continue
         est = estimate(candidate, gpu_bytes=gpu_bytes)
-        if est.peak() <= gpu_bytes:
+        if verdict(est, gpu_bytes, gpus)[0]:
             return sets, est
     return None
 
 
-def report(config: PPOConfig, gpu_bytes: int, *, label: str = "") -> str:
-    """The whole `--estimate-memory` output for `config` on GPUs of `gpu_bytes` each."""
+def report(config: PPOConfig, gpu_bytes: int, *, label: str = "",
+           gpus: int | None = None) -> str:
+    """The whole `--estimate-memory` output for `config` on GPUs of `gpu_bytes` each, and
+    (``--gpus``) `gpus` of them."""
     est = estimate(config, gpu_bytes=gpu_bytes)
-    lines = [_describe(config, est, gpu_bytes, label)]
-    for gpu, count in _gpus(config):
+    lines = [_describe(config, est, gpu_bytes, label, gpus)]
+    for gpu in GPU_KINDS:
         if any(p.gpu == gpu for p in est.phases):
             where = ("GPU" if config.placement.device == "cuda"
                      else "rank (placement.device=cpu: host memory)")
-            lines += ["", f"per {where}: {gpu} rank (one of {count})"] + table(est, gpu)
+            lines += ["", f"per {where}: {gpu} rank (one of {est.gpus.get(gpu, 1)})"]
+            lines += table(est, gpu)
     lines += [f"note: {n}" for n in est.notes]
-    fits, line = verdict(est, gpu_bytes)
+    fits, line = verdict(est, gpu_bytes, gpus)
     lines += ["", line]
     if not fits:
-        found = suggest(config, gpu_bytes)
+        found = suggest(config, gpu_bytes, gpus)
         if found is None:
-            lines.append(f"  no layout up to actor_dp={MAX_DP} with checkpointing, smaller "
-                         f"micro-batches and cpu_offload fits: try more or larger GPUs")
+            most = f"{gpus} GPUs" if gpus is not None else f"actor_dp={MAX_DP}"
+            lines.append(f"  no layout up to {most} with checkpointing, smaller micro-batches, "
+                         f"LoRA and cpu_offload fits: try more or larger GPUs")
         else:
             sets, better = found
-            dp = next((s.split("=")[1] for s in sets if s.startswith("placement.actor_dp")),
-                      str(config.placement.actor_dp))
-            _, ok = verdict(better, gpu_bytes)
-            lines.append(f"  try (actor_dp={dp}, i.e. {dp} policy GPUs): "
-                         + " ".join(f"--set {s}" for s in sets) + f"  -> {ok}")
+            _, ok = verdict(better, gpu_bytes, gpus)
+            lines.append(f"  try ({_count(better)}): " + " ".join(f"--set {s}" for s in sets)
+                         + f"  -> {ok}")
     return "\n".join(lines) + "\n"
 
 
-def _gpus(config: PPOConfig) -> list[tuple[str, int]]:
-    p = config.placement
-    out = [("policy", p.actor_dp)]
-    if config.algo.uses_critic and not p.colocate_critic:
-        out.append(("critic", p.critic_dp))
-    return out
+def _count(est: Estimate) -> str:
+    """"4 policy + 4 rollout GPUs"-style count of the layout's GPUs."""
+    plural = "s" if sum(est.gpus.values()) > 1 else ""
+    return " + ".join(f"{n} {kind}" for kind, n in est.gpus.items()) + f" GPU{plural}"
 
 
-def _describe(config: PPOConfig, est: Estimate, gpu_bytes: int, label: str) -> str:
+def _describe(config: PPOConfig, est: Estimate, gpu_bytes: int, label: str,
+              gpus: int | None) -> str:
     s, w, m, t = est.policy, est.workload, config.model, config.train
     layout = "packed" if config.memory.pack_sequences else "padded"
-    total = sum(n for _, n in _gpus(config))
+    total = sum(est.gpus.values())
+    given = "" if gpus is None else f" (--gpus {gpus})"
+    lora = config.lora
     return "\n".join([
         f"memory estimate{' of ' + label if label else ''}: {s.params / 1e6:.1f}M parameters "
         f"(hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, vocab "
         f"{s.vocab}{', tied head' if s.tied else ''}; shape from {s.source})",
         f"  {total} {'GPU' if config.placement.device == 'cuda' else 'CPU rank'}(s) of "
-        f"{_gib(gpu_bytes)} GiB; actor_dp="
-        f"{config.placement.actor_dp}, {m.dtype} compute (fp32 masters + AdamW), "
+        f"{_gib(gpu_bytes)} GiB{given}: {_count(est)}; pipeline {config.pipeline.mode}; "
+        f"actor_dp={config.placement.actor_dp}, {m.dtype} compute (fp32 masters + AdamW), "
         f"attention {est.attention}, checkpointing "
         f"{'on' if config.checkpoints_activations else 'off'}, "
-        f"cpu_offload {'on' if config.memory.cpu_offload else 'off'}",
+        f"cpu_offload {'on' if config.memory.cpu_offload else 'off'}, "
+        f"LoRA {f'rank {lora.rank} ({lora.target_modules})' if lora.enabled else 'off'}",
         f"  micro-batch: {layout}, {w.tokens} tokens computed in {w.rows} rows "
         f"(micro_batch_tokens {t.micro_batch_tokens}), {w.response_tokens} response "
         f"positions, log-prob chunk {config.memory.logprob_chunk}; engine "

@@ -1,7 +1,8 @@
 """Chapter 5 — a model's shape without loading it: what `--estimate-memory` counts bytes of.
 
 `ModelShape` is the handful of numbers that size a Qwen2-style decoder (width, depth, heads,
-MLP width, vocabulary, tied head) and its parameter counts. `shapes_of(config)` finds the
+MLP width, vocabulary, tied head) and its parameter counts; `adapter_params` counts the LoRA
+adapters the `lora` section would add to it. `shapes_of(config)` finds the
 policy's and the critic's shapes without building a model or needing a GPU, in this order:
 
 1. a local checkpoint directory (`model.path`, `model.critic_path`): its ``config.json``;
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.lora import LoraConfig
 
 TINY_VOCAB = 64
 """The vocabulary assumed for a tiny model when its task's tokenizer cannot be made cheaply
@@ -85,11 +87,39 @@ class ModelShape:
         return self.layers * self.layer_params + self.embedding_params + self.hidden \
             + self.hidden + 1
 
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder layer, by PEFT's module
+        name: what `lora.target_modules` selects from."""
+        h, kv, i = self.hidden, self.kv_width, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
     @property
     def largest_module(self) -> int:
         """Elements of the largest module a weight sync moves whole (the embedding, or the
         fused gate/up projection)."""
         return max(self.embedding_params, 2 * self.hidden * self.intermediate)
+
+
+def adapter_params(shape: ModelShape, lora: LoraConfig) -> int:
+    """Parameters of the LoRA adapters `lora` puts into a model of `shape` (0 with LoRA off):
+    A (r x in) and B (out x r) on each targeted linear layer of every decoder layer.
+    "all-linear" is every one of them, not the LM head (PEFT's choice, `roles/lora.py`).
+
+    Example (Qwen2.5-7B, rank 16 on every linear layer: about 40M, 0.5% of the model):
+        >>> adapter_params(KNOWN_SHAPES["qwen2.5-7b"], LoraConfig(rank=16))
+        40370176
+    """
+    if not lora.enabled:
+        return 0
+    linears = shape.linears()
+    names = list(linears) if lora.targets == "all-linear" else list(lora.targets)
+    unknown = [n for n in names if n not in linears]
+    if unknown:
+        raise ValueError(f"lora.target_modules: {', '.join(unknown)} is not a linear layer "
+                         f"of a Qwen2-style decoder, so its adapters cannot be counted; "
+                         f"allowed: all-linear or any of {', '.join(linears)}")
+    return shape.layers * sum(lora.rank * sum(linears[n]) for n in names)
 
 
 def _qwen(vocab: int, hidden: int, layers: int, heads: int, kv: int, inter: int,
