@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from avrid.reshard.engines import (
-    AvridWorkerExtension,
     TorchEngineSink,
     VllmSink,
     WeightSink,
@@ -23,6 +22,7 @@ from avrid.reshard.fingerprint import StaleWeightsError, check_same, combine, fi
 from avrid.reshard.layout import ModelLayout
 from avrid.reshard.planner import plan_transfer
 from avrid.reshard.tp_layout import decoder_tp_layout
+from avrid.reshard.vllm_worker import AvridWorkerExtension
 from avrid.workers import Worker
 
 pytestmark = pytest.mark.chapter(4)

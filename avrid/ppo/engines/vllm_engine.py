@@ -366,6 +366,10 @@ class QuietVllmSink(VllmSink):
         with quiet_vllm():
             super().load(tensors, layout=layout, rank=rank)
 
+    def load_stream(self, groups: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        with quiet_vllm():
+            super().load_stream(groups)
+
     def finish(self) -> None:
         with quiet_vllm():
             super().finish()
