@@ -92,11 +92,12 @@ class LearnerWorker(PolicyWorker):
         bucket to the rollout ranks, a few at a time (`transfer.post_buckets`), then return
         with the last ones in flight; every trainer and rollout rank at once.
         Returns (this rank's partial fingerprints, start, end): the times for the timeline."""
+        start = time.time()
+        # The previous push's broadcasts: long delivered by now (or its error, raised first).
+        self.finish_push()
         if self._plan is None or (self.identity.rank == 0 and self._transfer is None):
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"push_weights()")
-        start = time.time()
-        self.finish_push()  # the previous push's broadcasts: long delivered by now
         # The fingerprints of this rank's own shards, cast as the engine holds them: added
         # up over the ranks (on the driver) they are the whole tensors' — whatever the
         # gather, the buckets and the broadcast did, the engine must end up with those.
