@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -46,12 +47,23 @@ class CorruptingRollout(RolloutWorker):
     """From the second push on, loads one element wrong (a stale or half-written engine): the
     driver's fingerprint check must stop the run naming this rank."""
 
-    def _load(self, sink: WeightSink, full: dict[str, torch.Tensor]) -> None:
+    def _load(self, sink: WeightSink, groups: Iterable[dict[str, torch.Tensor]]) -> None:
         if self.version is not None:  # the first push (version 0) loads cleanly
-            name = next(iter(full))
-            full = {**full, name: full[name].clone()}
-            full[name].view(-1)[0] += 1.0
-        super()._load(sink, full)
+            groups = _first_tensor_off_by_one(groups)
+        super()._load(sink, groups)
+
+
+def _first_tensor_off_by_one(
+        groups: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """`groups`, with one element of the first tensor they hold changed (on a copy)."""
+    wrong = False
+    for group in groups:
+        if group and not wrong:
+            name = next(iter(group))
+            group = {**group, name: group[name].clone()}
+            group[name].view(-1)[0] += 1.0
+            wrong = True
+        yield group
 
 
 class RaisingLearner(LearnerWorker):
@@ -92,12 +104,11 @@ class RaisingReceiver(CountingRollout):
     """Stops after the first bucket of its second push (the first is start-up's), on the
     last rank: a receiver that fails mid-push. Here it raises (in-process)."""
 
-    def _receive_bucket(self, bucket: PushBucket, full: dict[str, torch.Tensor],
-                        deadline: float) -> None:
+    def _receive_bucket(self, bucket: PushBucket, deadline: float) -> torch.Tensor:
         last = self.identity.rank == self.identity.world_size - 1
         if last and self.version is not None and bucket.index == 1:
             self._stop()
-        super()._receive_bucket(bucket, full, deadline)
+        return super()._receive_bucket(bucket, deadline)
 
     def _stop(self) -> None:
         raise RuntimeError("injected receiver failure")

@@ -209,8 +209,8 @@ def test_a_streamed_sync_loads_vllm_one_group_of_modules_at_a_time(
     want = [c.token_ids for c in TorchEngine(other, pad_token_id=PAD).generate(PROMPTS, greedy)]
     before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
     try:
-        # 1 MiB buckets: the 2-layer model (~2.6 MiB in fp32) goes in several reloads, each
-        # leaving the modules it does not carry as they are.
+        # 1 MiB buckets: the 2-layer model (~2.6 MiB in fp32) goes in several load groups,
+        # streamed into one reload (tests/test_reshard_vllm_stream.py counts it).
         assert streamed_sync(engine, other, 1 << 20) >= 4
         assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == want
     finally:

@@ -4,13 +4,13 @@ the marked GPU/vLLM tier (vLLM load-then-generate, the executor over NCCL)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from avrid.reshard.engines import (
-    AvridWorkerExtension,
     TorchEngineSink,
     VllmSink,
     WeightSink,
@@ -23,6 +23,7 @@ from avrid.reshard.fingerprint import StaleWeightsError, check_same, combine, fi
 from avrid.reshard.layout import ModelLayout
 from avrid.reshard.planner import plan_transfer
 from avrid.reshard.tp_layout import decoder_tp_layout
+from avrid.reshard.vllm_worker import AvridWorkerExtension
 from avrid.workers import Worker
 
 pytestmark = pytest.mark.chapter(4)
@@ -240,6 +241,43 @@ def test_vllm_sink_fills_fused_tensors_and_fingerprints_them(tp: int, mode: str)
     llm.workers[0].params["model.layers.0.self_attn.qkv_proj.weight"][HEAD_DIM * 4 // tp] += 1
     with pytest.raises(StaleWeightsError, match=r"differ: \['model.layers.0.self_attn.k_proj"):
         check_same(expected, sink.checksums(layout))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_sink_streams_a_sync_into_one_worker_call(tp: int) -> None:
+    # In process (one worker, TP=1) the whole stream is ONE call (vLLM: one reload_weights),
+    # which pulls the groups as it loads; workers in other processes get one call per group
+    # (their arguments are pickled, and a generator does not pickle).
+    shapes = vllm_shapes()
+    full = full_weights(shapes, seed=5)
+    layout = decoder_tp_layout(shapes, tp, head_dim=HEAD_DIM)
+    llm = FakeLLM(layout)
+    calls: list[str] = []
+    rpc = llm.collective_rpc
+    llm.collective_rpc = lambda method, **kw: calls.append(method) or rpc(method, **kw)
+    sink = VllmSink(llm)
+    sink.in_process = tp == 1  # what VllmSink reads from a real engine's parallel config
+    names, made = list(full), []
+
+    def groups(fail_at: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        for i in range(0, len(names), 3):
+            if i == fail_at:
+                raise RuntimeError("injected transfer failure")
+            made.append(i)
+            yield {n: full[n] for n in names[i:i + 3]}
+
+    sink.load_stream(groups())
+    assert calls == (["avrid_load_stream"] if tp == 1 else ["avrid_load_full"] * len(made))
+    check_same(fingerprint(full).checksums, sink.checksums(layout))
+    # A stream that fails part-way: what came before it is loaded, then its error is raised.
+    calls.clear()
+    later = {n: t + 1 for n, t in full.items()}
+    full.update(later)
+    with pytest.raises(RuntimeError, match="injected transfer failure"):
+        sink.load_stream(groups(fail_at=6))
+    assert len(calls) == (1 if tp == 1 else 2)
+    views = vllm_local_views(llm.workers[0].params, vllm_local_spec(layout, 0))
+    assert torch.equal(views[names[0]], later[names[0]][layout[names[0]].regions[0].to_slices()])
 
 
 def test_vllm_sink_refuses_slices_it_cannot_place() -> None:

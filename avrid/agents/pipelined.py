@@ -57,10 +57,11 @@ class AgentRolloutWorker(RolloutWorker):
     def receive_weights(self, version: int) -> Received:
         """Chapter 6's receive, bucket by bucket, on this rank's "weights" lane; the engine
         loads them at once if it is idle, else between two engine calls of the episodes in
-        flight (`WeightMailbox.deliver`)."""
+        flight (`WeightMailbox.deliver`). Received while the engine may be generating, the
+        weights wait whole until then, in host memory (`RolloutWorker._receive_all`)."""
         start = time.time()
         full = self._receive_all()
-        return self.mailbox.deliver(version, lambda: self._install(full, version, start),
+        return self.mailbox.deliver(version, lambda: self._install([full], version, start),
                                     timeout_s=self._timeout_s)
 
     def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool, seed: int,

@@ -10,12 +10,15 @@ and its weight sync is replaced by a push to the rollout pool (`transfer.py`):
     join_transfer     every rank at once: rank 0 joins the push group (trainer rank 0 + the
                       rollout ranks, `PushGroup`), the others only keep the plan
     push_weights      every rank gathers each whole tensor, bucket by bucket, over its FSDP
-                      group, and rank 0 posts one broadcast per bucket; each rank returns its
-                      own shards' partial fingerprints for the driver's check, without
-                      waiting for the rollout ranks to receive: the broadcasts finish while
-                      the trainer trains, and rank 0 checks that they did at the next push
-                      (or at close), against the push timeout; with LoRA served as
-                      adapters (`lora.sync=adapter`, vLLM) the adapters alone, by PEFT key
+                      group, and rank 0 posts one broadcast per bucket, at most
+                      `transfer.POSTED_BUCKETS` of them unfinished (it waits for the oldest
+                      before packing another: a whole model of buckets would not fit beside
+                      training at 7B); each rank returns its own shards' partial
+                      fingerprints for the driver's check, without waiting for the last
+                      broadcasts: they finish while the trainer trains, and rank 0 checks
+                      that they did at the next push (or at close), against the push
+                      timeout; with LoRA served as adapters (`lora.sync=adapter`, vLLM) the
+                      adapters alone, by PEFT key
 
 Not here: when to push (the driver) or how a rollout rank receives (`rollout.py`).
 """
@@ -48,6 +51,7 @@ class LearnerWorker(PolicyWorker):
     _posted: tuple[tuple[dist.Work, torch.Tensor], ...] = ()
     _deadline = 0.0  # when the last push must have finished (`time.monotonic()`)
     _timeout_s = 0.0  # the push timeout (`join_transfer`)
+    _push_failed: Exception | None = None  # rank 0: the last push's error, raised later
 
     def _make_engine(self, model: torch.nn.Module) -> None:
         """No engine: the rollout pool generates (see the module docstring)."""
@@ -85,13 +89,15 @@ class LearnerWorker(PolicyWorker):
 
     def push_weights(self) -> tuple[dict[str, int], float, float]:
         """Gather the actor's weights bucket by bucket and (rank 0) post one broadcast per
-        bucket to the rollout ranks, then return; every trainer and rollout rank at once.
+        bucket to the rollout ranks, a few at a time (`transfer.post_buckets`), then return
+        with the last ones in flight; every trainer and rollout rank at once.
         Returns (this rank's partial fingerprints, start, end): the times for the timeline."""
+        start = time.time()
+        # The previous push's broadcasts: long delivered by now (or its error, raised first).
+        self.finish_push()
         if self._plan is None or (self.identity.rank == 0 and self._transfer is None):
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"push_weights()")
-        start = time.time()
-        self.finish_push()  # the previous push's broadcasts: long delivered by now
         # From the start of this push, before any bucket is gathered or posted: no broadcast
         # is older than its deadline's start, so the backend's timeout (later by a margin,
         # `push_group.backend_timeout_s`) never passes first.
@@ -121,14 +127,26 @@ class LearnerWorker(PolicyWorker):
             cast = params[name].detach().to(self.dtype)
             return cast.full_tensor() if isinstance(cast, DTensor) else cast
 
-        self._posted = tuple(post_buckets(self._buckets, whole, self._transfer, self.device))
+        posted, failed = post_buckets(self._buckets, whole, self._transfer, self.device,
+                                      deadline=self._deadline,
+                                      who=self.identity.name)
+        self._posted = tuple(posted)
+        if failed is not None and self._transfer is not None:
+            # A receiver died or stopped: its own error is the one the driver reports; this
+            # one is raised at the next push (or close), if the run gets that far.
+            self._transfer.leave()  # no rollout rank waits on a group that failed
+            self._transfer, self._push_failed = None, failed
         return sums, start, time.time()
 
     def finish_push(self) -> None:
         """Rank 0: wait until the last push's broadcasts have really finished — polled
         against the push timeout from the start of that push (`PushGroup.wait`), so a rollout
         rank that died raises `PushTimeout` here instead of hanging or passing as "done" —
-        then free their buffers. Other ranks posted nothing."""
+        then free their buffers. Other ranks posted nothing. A push that failed while it was
+        posted (`post_buckets`) raises its error here."""
+        failed, self._push_failed = self._push_failed, None
+        if failed is not None:
+            raise failed
         posted, self._posted = self._posted, ()
         if not posted or self._transfer is None:
             return

@@ -8,8 +8,10 @@ things, never at the same time:
                      (`generation.generate_shard`: same seeds, same samples), each sample
                      stamped with the scalar "version": the weights it was generated with
     receive_weights  take the trainer's weights (one broadcast per bucket in the push group,
-                     `transfer.py`), load them into the engine and report the engine's
-                     fingerprints and new version; with LoRA served as adapters
+                     `transfer.py`), streaming them into the engine as they arrive (one
+                     load per push; never a whole copy of the model beside the engine, which
+                     at 7B would not fit beside vLLM's share of the GPU), and report the
+                     engine's fingerprints and new version; with LoRA served as adapters
                      (`lora.sync=adapter`, vLLM) the push carries the adapters alone, over the
                      base the worker loaded itself at setup (`adapter_sync.load_base`)
 
@@ -28,6 +30,7 @@ Not here: deciding when to generate or receive (the driver, `driver.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +39,10 @@ from avrid.dispatch import Shard
 from avrid.pipeline.push_group import PushGroup
 from avrid.pipeline.transfer import (
     PushBucket,
-    allocate_whole,
     engine_layout,
     push_buckets,
     receive_bucket,
+    received_tensors,
 )
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.engines.vllm_lora import peft_config
@@ -116,51 +119,68 @@ class RolloutWorker(Worker):
     def receive_weights(self, version: int) -> Received:
         """Receive the trainer's weights of `version`, bucket by bucket, each within the push
         timeout of the start (a trainer or peer that stopped raises `PushTimeout` naming
-        this rank and the bucket), load them and fingerprint the engine; every trainer and
-        rollout rank at once."""
+        this rank and the bucket), loading each tensor into the engine as soon as it is
+        whole, then fingerprint the engine; every trainer and rollout rank at once. A push
+        that fails part-way leaves the engine holding old and new weights mixed, and its
+        version unchanged: the run stops on the error."""
         start = time.time()
-        return self._install(self._receive_all(), version, start)
+        return self._install(self._receive_stream(), version, start)
 
-    def _receive_all(self) -> dict[str, torch.Tensor]:
-        """Every bucket of one push, into whole tensors (the engine is not touched)."""
-        if self._transfer is None or self._plan is None:
+    def _receive_stream(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The push's whole tensors as they complete, bucket by bucket
+        (`transfer.received_tensors`); the next bucket is received only when the engine
+        asks for more."""
+        transfer, plan = self._transfer, self._plan
+        if transfer is None or plan is None:
             raise RuntimeError(f"{self.identity.name}: join_transfer() must run before "
                                f"receive_weights()")
         deadline = time.monotonic() + self._timeout_s
-        full = allocate_whole(self._plan, self.device)
-        try:
-            for bucket in self._buckets:
-                self._receive_bucket(bucket, full, deadline)
-        except BaseException:
-            # Leave the group: the trainer's and the other receivers' pending broadcasts fail
-            # now rather than at the timeout, and this rank's error is the first one seen.
-            self._transfer.leave()
-            self._transfer = None
-            raise
-        return full
 
-    def _install(self, full: dict[str, torch.Tensor], version: int, start: float) -> Received:
+        def stream() -> Iterator[dict[str, torch.Tensor]]:
+            try:
+                yield from received_tensors(plan, self._buckets,
+                                            lambda b: self._receive_bucket(b, deadline),
+                                            self.device)
+            except BaseException:
+                # Leave the group: the trainer's and the other receivers' pending broadcasts
+                # fail now rather than at the timeout, and this rank's error is the first
+                # one seen. (Also when the engine stopped asking: the push is abandoned.)
+                transfer.leave()
+                self._transfer = None
+                raise
+
+        return stream()  # checked above at once; the receiving starts with the first group
+
+    def _receive_all(self) -> dict[str, torch.Tensor]:
+        """Every tensor of one push, staged whole in host memory without touching the engine
+        (chapter 7 receives while its engine generates, and loads at a call boundary)."""
+        return {name: t.to("cpu") for group in self._receive_stream()
+                for name, t in group.items()}
+
+    def _install(self, groups: Iterable[dict[str, torch.Tensor]], version: int,
+                 start: float) -> Received:
         """Load received weights into the engine, fingerprint it, take their version."""
         if self._adapter_config is not None:  # a new adapter id; its read-back fingerprints
-            self.engine.load_adapter(full, self._adapter_config, version=version)
+            adapters = {name: t for group in groups for name, t in group.items()}  # small
+            self.engine.load_adapter(adapters, self._adapter_config, version=version)
             sums = self.engine.adapter_checksums()
         else:
             sink = self.engine.sink
-            self._load(sink, full)
+            self._load(sink, groups)
             sums = sink.checksums(self._layout, 0)  # what the engine now holds
         self.version = version
         return Received(rank=self.identity.rank, version=version, checksums=sums,
                         start=start, end=time.time())
 
-    def _receive_bucket(self, bucket: PushBucket, full: dict[str, torch.Tensor],
-                        deadline: float) -> None:
-        """Receive one bucket into `full` (a test overrides this to die part-way through)."""
-        receive_bucket(bucket, full, self._transfer, deadline=deadline,
-                       who=self.identity.name, of=len(self._buckets))
+    def _receive_bucket(self, bucket: PushBucket, deadline: float) -> torch.Tensor:
+        """Receive one bucket's flat buffer (a test overrides this to die part-way through)."""
+        return receive_bucket(bucket, self._transfer, deadline=deadline,
+                              who=self.identity.name, of=len(self._buckets))
 
-    def _load(self, sink: WeightSink, full: dict[str, torch.Tensor]) -> None:
-        """Load the received tensors into the engine (a test overrides this to corrupt one)."""
-        sink.load(full)
+    def _load(self, sink: WeightSink, groups: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Stream the received tensors into the engine, one load for the whole push (a test
+        overrides this to corrupt one)."""
+        sink.load_stream(groups)
         sink.finish()
 
     def generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool,

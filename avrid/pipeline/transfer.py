@@ -35,16 +35,21 @@ order, into pieces of at most `plan.bucket_bytes` (a tensor larger than that spa
 buckets; a bucket may hold many small tensors): a bucket is one flat buffer, so one
 broadcast, however many tensors it holds.
 
-Nobody waits for anybody where it can be avoided. Trainer rank 0 posts every bucket and
-returns to training; it checks the broadcasts finished only at its next push (or at close),
-against a deadline (`PushGroup.wait`). A rollout rank receives bucket after bucket, each
-awaited against the same deadline, then loads. Memory: trainer rank 0 keeps the posted
-buckets until then, one copy of the model in the engine's dtype (bf16: half the fp32
-masters); every trainer rank holds one gathered tensor at a time; a rollout rank one bucket
-plus the whole received model, which it loads. The check is the driver's: the trainer ranks'
-partial fingerprints of their own cast shards, added up, must equal each rollout engine's
-whole-tensor fingerprints, so the gather, the buckets, the broadcast and the load are all
-checked end to end.
+Nobody waits for anybody more than memory requires. Trainer rank 0 keeps at most
+`POSTED_BUCKETS` broadcasts posted and unfinished: before packing the next bucket it waits
+(`PushGroup.wait`, against the push's deadline) for the oldest, then returns to training
+with the last few still in flight, and checks those at its next push (or at close). A
+rollout rank receives bucket after bucket, each awaited against the same deadline, and
+streams them into its engine as they come (`received_tensors`: each tensor as soon as its
+last piece arrived, one load per push, `WeightSink.load_stream`), never a whole copy.
+
+Memory, at 7B in bf16 (14.2 GiB of weights): trainer rank 0 holds `POSTED_BUCKETS` buckets
+(128 MiB), not the model; every trainer rank one gathered tensor at a time; a rollout rank,
+beside its engine, the bucket being received and the tensors not yet loaded: a bucket or two,
+more only where a single tensor is larger (it must arrive whole: an embedding, 1 GiB at 7B).
+The check is the driver's: the trainer ranks' partial fingerprints of their own cast shards,
+added up, must equal each rollout engine's whole-tensor fingerprints, so the gather, the
+buckets, the broadcast and the load are all checked end to end.
 
 Not here: when to push (the driver: never while a generation is in flight), and loading into
 an engine (the engine's `sink`).
@@ -53,7 +58,8 @@ an engine (the engine's `sink`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +71,10 @@ from avrid.reshard import ModelLayout, ParamLayout, TransferPlan, plan_transfer
 BUCKET_BYTES = 64 << 20
 """Size bound of one push bucket (as chapter 5's `weight_sync.BUCKET_BYTES`); read when the
 driver makes the plan, which carries it to every worker."""
+
+POSTED_BUCKETS = 2
+"""The most broadcasts trainer rank 0 keeps posted and unfinished (with their buffers): one
+on the wire while the next is packed. What rank 0 holds for a push is this many buckets."""
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 """Parameter name -> (whole shape, dtype name), in the actor's parameter order."""
@@ -157,16 +167,36 @@ def push_buckets(target: ModelLayout, bucket_bytes: int) -> tuple[PushBucket, ..
 
 
 def post_buckets(buckets: tuple[PushBucket, ...], whole: Callable[[str], torch.Tensor],
-                 group: PushGroup | None, device: str) -> list[tuple[dist.Work, torch.Tensor]]:
+                 group: PushGroup | None, device: str, *, deadline: float,
+                 who: str) -> tuple[list[tuple[dist.Work, torch.Tensor]], Exception | None]:
     """Trainer side, every trainer rank at once. `whole(name)` gives tensor `name` whole, in
     the engine's dtype (on FSDP2 an all-gather: every trainer rank must ask for the same
     tensors in the same order, which walking the same buckets guarantees). The rank that is
     in the push group (`group`: trainer rank 0; None elsewhere) packs each bucket and posts
-    its broadcast. Returns the posted (work, buffer) pairs, unfinished: keep each buffer
-    alive until its work has finished."""
-    posted: list[tuple[dist.Work, torch.Tensor]] = []
+    its broadcast, with at most `POSTED_BUCKETS` unfinished at once: before packing another
+    it waits for the oldest (against `deadline`, a `time.monotonic()` value; `who` names this
+    rank in a `PushTimeout`).
+
+    Returns the last posted (work, buffer) pairs, unfinished (keep each buffer alive until its
+    work has finished), and the error of a broadcast that failed or timed out (a receiver
+    died or stopped; None if none did). After such an error rank 0 posts nothing more but
+    still gathers to the end: the other trainer ranks are in the same all-gathers and must
+    not be left waiting in them, and the caller raises the error later, once the driver has
+    heard from the receivers, where the cause is."""
+    posted: deque[tuple[dist.Work, torch.Tensor]] = deque()
+    failed: Exception | None = None
     name, flat_whole = None, None
     for bucket in buckets:
+        if group is not None and len(posted) == POSTED_BUCKETS:
+            oldest = [posted.popleft()[0]]  # the work alone: its buffer dies once it is done
+            try:
+                group.wait(oldest, deadline=deadline,
+                           what=f"{who}: bucket {bucket.index + 1 - POSTED_BUCKETS} of "
+                                f"{len(buckets)} of a weight push")
+            except Exception as exc:  # PushTimeout, or the broadcast's own error
+                failed, group = exc, None
+                posted.clear()
+            del oldest  # (the work holds its buffer too)
         flat = (torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
                 if group is not None else None)
         for piece in bucket.pieces:
@@ -177,23 +207,73 @@ def post_buckets(buckets: tuple[PushBucket, ...], whole: Callable[[str], torch.T
                     flat_whole[piece.start:piece.stop])
         if flat is not None:
             posted.append((group.broadcast(flat, root=0), flat))
-    return posted
+    return list(posted), failed
 
 
-def allocate_whole(plan: TransferPlan, device: str) -> dict[str, torch.Tensor]:
-    """Rollout side: an empty whole tensor for every parameter, to receive into."""
-    return {name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device)
-            for name, p in plan.target.params}
-
-
-def receive_bucket(bucket: PushBucket, out: Mapping[str, torch.Tensor], group: PushGroup, *,
-                   deadline: float, who: str, of: int) -> None:
+def receive_bucket(bucket: PushBucket, group: PushGroup, *, deadline: float, who: str,
+                   of: int) -> torch.Tensor:
     """Rollout side: take part in bucket `bucket`'s broadcast, wait for it against `deadline`
-    (`PushGroup.wait`) and copy its pieces into the whole tensors `out`."""
+    (`PushGroup.wait`) and return its flat buffer."""
     flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)
     group.wait([group.broadcast(flat, root=0)], deadline=deadline,
                what=f"{who}: receiving bucket {bucket.index + 1} of {of} of a weight push")
-    for piece in bucket.pieces:
-        out[piece.name].view(-1)[piece.start:piece.stop].copy_(
-            flat[piece.offset:piece.offset + piece.stop - piece.start])
+    return flat
 
+
+def received_tensors(plan: TransferPlan, buckets: tuple[PushBucket, ...],
+                     receive: Callable[[PushBucket], torch.Tensor],
+                     device: str) -> Iterator[dict[str, torch.Tensor]]:
+    """Rollout side: the push's whole tensors, bucket by bucket, as they complete.
+    `receive(bucket)` gives a bucket's flat buffer (`receive_bucket`); each dict yielded holds
+    the tensors whose last piece was in that bucket, and the next bucket is received only
+    when the next dict is asked for (a `WeightSink.load_stream` loads each before it asks).
+
+    A tensor wholly inside one bucket is a view of its buffer (no copy); one that spans
+    buckets is assembled in a tensor of its own (at most one at a time: the pieces come in
+    order). So what is alive is the buffers of the tensors not yet loaded plus the tensor
+    being assembled, never the whole model.
+
+    Example (one process plays the broadcast: each bucket's buffer is given)::
+
+        >>> plan = push_plan({"a": ((2, 3), "float32"), "b": ((4,), "float32")},
+        ...                  trainers=1, rollouts=1, engine_dtype="float32")
+        >>> buckets = push_buckets(plan.target, 16)
+        >>> flats = iter([torch.arange(4.0), torch.arange(4.0, 8.0), torch.arange(8.0, 10.0)])
+        >>> for got in received_tensors(plan, buckets, lambda b: next(flats), "cpu"):
+        ...     print({n: t.tolist() for n, t in got.items()})
+        {}
+        {'a': [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]}
+        {'b': [6.0, 7.0, 8.0, 9.0]}
+    """
+    shapes = {name: p.shape for name, p in plan.target.params}
+    assembling: dict[str, torch.Tensor] = {}
+    for bucket in buckets:
+        done = _unpack(bucket, receive(bucket), shapes, assembling, device)
+        yield done
+        del done  # loaded by now: the next bucket arrives without it
+    # Empty tensors have no piece in any bucket: they are still loaded, as they are.
+    empty = {name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device)
+             for name, p in plan.target.params if math.prod(p.shape) == 0}
+    if empty:
+        yield empty
+
+
+def _unpack(bucket: PushBucket, flat: torch.Tensor, shapes: dict[str, tuple[int, ...]],
+            assembling: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """The tensors whose last piece is in `bucket` (received into `flat`): views of `flat`
+    where a tensor lies wholly inside it, else completed from `assembling` (the tensors
+    spanning buckets, begun in an earlier one: this adds and removes them)."""
+    done: dict[str, torch.Tensor] = {}
+    for piece in bucket.pieces:
+        shape = shapes[piece.name]
+        part = flat[piece.offset:piece.offset + piece.stop - piece.start]
+        numel = math.prod(shape)
+        if piece.start == 0 and piece.stop == numel:  # all of it in this bucket
+            done[piece.name] = part.view(shape)
+            continue
+        if piece.start == 0:
+            assembling[piece.name] = torch.empty(shape, dtype=bucket.dtype, device=device)
+        assembling[piece.name].view(-1)[piece.start:piece.stop].copy_(part)
+        if piece.stop == numel:
+            done[piece.name] = assembling.pop(piece.name)
+    return done

@@ -4,7 +4,7 @@
 Read in this order: layout.py (regions and layouts), tp_layout.py (how vLLM shards a decoder),
 planner.py (the pure minimum-bytes transfer plan), executor.py (running it over
 torch.distributed, and the all-gather baseline), fingerprint.py (the stale-weights check),
-engines.py (loading into a torch engine or vLLM).
+engines.py (loading into a torch engine or vLLM), vllm_worker.py (its side inside vLLM).
 """
 
 from avrid.reshard.executor import (

@@ -2,36 +2,38 @@
 
 A weight sync ends in an engine, and every engine is different. `WeightSink` is all the sync
 asks of one: `load` a bucket of named tensors (full, or this rank's tensor-parallel slices),
-`finish` after the last bucket, and `checksums` of what it now holds, which the driver
-compares with the trainer's (`fingerprint.check_same`) to catch silently stale weights.
+or `load_stream` a whole model's full tensors group by group in one pass, `finish` after the
+last bucket, and `checksums` of what it now holds, which the driver compares with the
+trainer's (`fingerprint.check_same`) to catch silently stale weights.
 
 - `TorchEngineSink`: a torch module (or a dict of tensors) on any device: an in-place copy
   into each parameter, names, shapes and dtypes checked. Runs and is tested on CPU.
 - `VllmSink`: a vLLM `LLM` built with ``worker_extension_cls=VLLM_EXTENSION`` (CPU or GPU).
   Full tensors go to vLLM's in-place `reload_weights` (HF names; it fuses and shards for TP
-  itself); a TP rank's slices are copied straight into its views of vLLM's fused parameters
-  (`vllm_param_name`, `vllm_local_spec`); `finish` resets the prefix cache, because a weight
-  update does not (vllm PR#46125 reverted the automatic reset; stale cache = logprob drift).
+  itself), a whole sync in ONE reload fed lazily (`load_stream`); a TP rank's slices are
+  copied straight into its views of vLLM's fused parameters (`vllm_param_name`,
+  `vllm_local_spec`); `finish` resets the prefix cache, because a weight update does not
+  (vllm PR#46125 reverted the automatic reset; stale cache = logprob drift).
 
 The pure parts (name mapping, where each slice sits in a fused parameter, copying and
 checksumming those views) are tested anywhere against fake fused tensors; the `vllm`-marked
-tests run the worker side inside the real engine (vLLM's CPU build runs it here, TP=2
-included). Slice loading skips vLLM's weight loaders, so it suits unquantised models only.
-This file plans and moves nothing.
+tests run the worker side (`vllm_worker.AvridWorkerExtension`) inside the real engine
+(vLLM's CPU build runs it here, TP=2 included). Slice loading skips vLLM's weight loaders,
+so it suits unquantised models only. This file plans and moves nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from avrid.reshard.executor import layout_checksums
-from avrid.reshard.fingerprint import fingerprint, region_checksum
+from avrid.reshard.fingerprint import fingerprint
 from avrid.reshard.layout import ModelLayout
 
-VLLM_EXTENSION = "avrid.reshard.engines.AvridWorkerExtension"
+VLLM_EXTENSION = "avrid.reshard.vllm_worker.AvridWorkerExtension"
 """Pass as ``LLM(..., worker_extension_cls=VLLM_EXTENSION)`` so `VllmSink` can reach workers."""
 
 # transformers module -> (vLLM fused module, shard id as vLLM's stacked_params_mapping has it)
@@ -50,6 +52,13 @@ class WeightSink(Protocol):
              rank: int | None = None) -> None:
         """Take some named tensors (one bucket, or everything): full tensors, or with
         `layout` and `rank` that rank's regions of them."""
+        ...
+
+    def load_stream(self, groups: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Take a whole model's full tensors in one pass, pulling one group at a time from
+        `groups` (a generator may produce each group only when asked, and free it once the
+        next is asked for). If `groups` raises, the groups taken so far stay loaded (the
+        engine holds old and new weights mixed) and the error is raised."""
         ...
 
     def finish(self) -> None:
@@ -96,6 +105,12 @@ class TorchEngineSink:
         with torch.no_grad():
             for name, t in tensors.items():
                 self.tensors[name].data.copy_(t)
+
+    def load_stream(self, groups: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """`load` each group as it comes (each checked before it is copied)."""
+        for group in groups:
+            self.load(group)
+            del group  # not held while the next one is made
 
     def finish(self) -> None:
         """Nothing to do: a plain torch engine keeps no cache derived from its weights."""
@@ -148,6 +163,28 @@ class VllmSink:
             raise KeyError(f"rank {rank} of the layout holds no region of {stray[:4]}")
         self.llm.collective_rpc("avrid_load_slices", args=(rank, spec, sent))
 
+    def load_stream(self, groups: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """A whole sync as ONE `reload_weights` on the worker (`avrid_load_stream`), which
+        pulls the groups from `groups` as it loads: each `reload_weights` call touches every
+        module of the model, however few tensors it carries, so one call per group would
+        cost (groups x modules). Only an in-process worker can take an iterator (vLLM pickles
+        the arguments it sends to workers in other processes, and a generator does not
+        pickle): there, each group is one `load` (one reload each), as bounded in memory.
+
+        A failure inside `groups` (a transfer that died) ends the stream where it is: vLLM
+        still finishes its reload (every module back off the meta device, the unloaded ones
+        with their old weights), then the error is raised; the fingerprint check would show
+        the mix, and no version is claimed for it."""
+        if not self.in_process:
+            for group in groups:
+                self.load(group)
+                del group  # not held while the next one is made
+            return
+        failed: list[BaseException] = []
+        self.llm.collective_rpc("avrid_load_stream", args=(_pairs(groups, failed),))
+        if failed:
+            raise failed[0]
+
     def finish(self) -> None:
         """Reset the prefix cache: vLLM keeps KV blocks computed with the old weights."""
         self.llm.reset_prefix_cache()
@@ -165,6 +202,19 @@ class VllmSink:
                 for k, v in sums.items():
                     out[k] = (out.get(k, 0) + v) % 2**64
         return out
+
+
+def _pairs(groups: Iterable[Mapping[str, torch.Tensor]],
+           failed: list[BaseException]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of `groups`, one group at a time; an error raised by `groups` is
+    put in `failed` and ends the pairs (so vLLM's reload finishes rather than stopping with
+    modules on the meta device)."""
+    try:
+        for group in groups:
+            yield from ((name, t.detach()) for name, t in group.items())
+            del group  # not held while the next one is made (vLLM keeps what it needs)
+    except Exception as exc:  # re-raised by the caller, after the reload
+        failed.append(exc)
 
 
 def vllm_param_name(name: str) -> tuple[str, str | int | None]:
@@ -224,130 +274,6 @@ def vllm_local_views(params: Mapping[str, torch.Tensor],
                              f"local {tuple(whole.shape)} are not the region shape {shape}")
         out[name] = view
     return out
-
-
-class AvridWorkerExtension:
-    """Mixed into every vLLM worker by ``worker_extension_cls``; `VllmSink` calls these by
-    name through `collective_rpc`. `self.model_runner` is the vLLM worker's model runner (GPU
-    or CPU; vLLM's CPU worker subclasses the GPU one).
-
-    On CPU vLLM packs each linear layer's weight into a oneDNN (or SGL) kernel format after
-    loading and leaves an EMPTY parameter behind, so "what the engine holds" cannot be read
-    from `named_parameters`. `_avrid_held` reads it back exactly through the kernel itself:
-    ``linear(I) = I @ W^T = W^T``, every product a multiplication by 1 or 0, so nothing
-    rounds. The slice path writes a packed layer by unpacking it that way, patching it, and
-    letting vLLM's own `process_weights_after_loading` pack it again.
-    """
-
-    model_runner: Any
-
-    def _avrid_tp_rank(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-
-    def _avrid_params(self) -> dict[str, tuple[torch.nn.Module | None, torch.nn.Parameter]]:
-        """vLLM name -> (the module that owns it, the parameter). An engine that serves LoRA
-        adapters wraps each adapted layer and keeps its weight as
-        ``<layer>.base_layer.weight``: listed under the layer's own name, which is the
-        weight's name in an engine without adapters."""
-        model = self.model_runner.model
-        modules = dict(model.named_modules())
-        return {name.replace(_LORA_BASE, "."): (modules.get(name.rpartition(".")[0]), p)
-                for name, p in model.named_parameters()}
-
-    def _avrid_held(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-        """This worker's parameters by vLLM name, as its kernels see them (see the class)."""
-        return {name: _held_tensor(module, p) for name, (module, p) in self._avrid_params().items()
-                if names is None or name in names}
-
-    def avrid_load_full(self, tensors: dict[str, torch.Tensor]) -> int:
-        """HF names and full tensors into vLLM's in-place reload, which fuses q/k/v and
-        gate/up, cuts this worker's TP part and re-runs the kernel post-processing (the CPU
-        packing above). A layer is processed once all its pieces arrived, so a call must carry
-        whole layers (the weight sync sends everything in one call)."""
-        runner = self.model_runner
-        if hasattr(runner, "reload_weights"):  # vLLM >= 0.3x: the documented in-place path
-            runner.reload_weights(weights_iterator=iter(tensors.items()))
-        else:  # older vLLM: the model's own loader (its parameters stay unpacked on GPU)
-            runner.model.load_weights(weights=iter(tensors.items()))
-        return len(tensors)
-
-    def avrid_load_slices(self, rank: int, spec: list[LocalView],
-                          tensors: dict[str, torch.Tensor]) -> int:
-        """Copy rank `rank`'s slices into this worker's fused parameters, if it is that rank."""
-        if self._avrid_tp_rank() != rank:
-            return 0
-        owned = self._avrid_params()
-        fused_names = {fused for _, fused, *_ in spec}
-        held = self._avrid_held(fused_names)  # unpacked copies where vLLM packed them
-        views = vllm_local_views(held, spec)
-        for name, view in views.items():
-            t = tensors[name]  # copy_ would broadcast or cast silently: check first
-            if t.shape != view.shape or t.dtype != view.dtype:
-                raise ValueError(f"{name!r}: got {tuple(t.shape)} {t.dtype}, vLLM holds "
-                                 f"{tuple(view.shape)} {view.dtype}")
-        with torch.no_grad():
-            for name, view in views.items():
-                view.copy_(tensors[name])
-            for fused in fused_names:  # CPU: vLLM packs its kernels' copy again
-                module, param = owned[fused]
-                if module is None:
-                    continue
-                if _is_packed(module, param):  # the patched copy is the weight now
-                    module.weight = torch.nn.Parameter(held[fused], requires_grad=False)
-                if _has_kernel(module):
-                    module.quant_method.process_weights_after_loading(module)
-        return len(views)
-
-    def avrid_checksums(self, specs: list[list[LocalView]]) -> tuple[int, dict[str, int]]:
-        """(TP rank, partial fingerprints of its counted regions), computed where they live."""
-        rank = self._avrid_tp_rank()
-        held = self._avrid_held({fused for _, fused, *_ in specs[rank]})
-        views = vllm_local_views(held, specs[rank])
-        return rank, {name: region_checksum(views[name], shape, bounds)
-                      for name, _, _, shape, bounds, counted in specs[rank] if counted}
-
-
-_LORA_BASE = ".base_layer."
-"""Where a LoRA-serving vLLM engine keeps an adapted layer's own weight."""
-
-_PROBE_ROWS = 1024
-"""Rows of the identity pushed through a packed kernel at once (bounds the probe's memory)."""
-
-
-def _is_packed(module: torch.nn.Module, param: torch.Tensor) -> bool:
-    """vLLM's CPU linear layers keep their weight inside `cpu_linear` and an empty parameter."""
-    return param.numel() == 0 and _has_kernel(module)
-
-
-def _has_kernel(module: torch.nn.Module | None) -> bool:
-    """A vLLM CPU layer whose matmul runs a packed copy of its weight (linear layers, and the
-    vocab embedding / LM head, which keep their parameter as well)."""
-    return callable(getattr(module, "cpu_linear", None))
-
-
-def _held_tensor(module: torch.nn.Module | None, param: torch.Tensor) -> torch.Tensor:
-    """What the engine computes with: `param` itself, or where vLLM packed it for a CPU
-    kernel, the kernel's copy read back as (out, in) = linear(I_in)^T, the identity in chunks
-    of rows. Where a layer keeps both (LM head), the two must agree; a packed copy that
-    missed a load would otherwise hide behind an up-to-date parameter."""
-    if not _has_kernel(module) or (param.dim() != 2 and param.numel() > 0):  # e.g. a bias
-        return param.detach()
-    k = int(module.input_size_per_partition)
-    chunks = []
-    for start in range(0, k, _PROBE_ROWS):
-        rows = min(_PROBE_ROWS, k - start)
-        eye = torch.zeros(rows, k, dtype=param.dtype)
-        eye[:, start:start + rows] = torch.eye(rows, dtype=param.dtype)
-        chunks.append(module.cpu_linear(eye, None, None).to(param.dtype))
-    kernel = torch.cat(chunks).t().contiguous()
-    if param.numel() == 0:
-        return kernel
-    if not torch.equal(kernel, param.detach()):
-        raise RuntimeError(f"{type(module).__name__}: its packed CPU kernel weight differs from "
-                           f"its parameter (a load updated one but not the other)")
-    return param.detach()
 
 
 def _known(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

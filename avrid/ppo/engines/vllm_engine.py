@@ -46,8 +46,8 @@ import torch
 
 from avrid.ppo.engines import vllm_lora, vllm_process
 from avrid.ppo.engines.torch_engine import Completion, SamplingParams
-from avrid.ppo.engines.vllm_logs import quiet_vllm
-from avrid.reshard.engines import VLLM_EXTENSION, VllmSink
+from avrid.ppo.engines.vllm_logs import QuietVllmSink, quiet_vllm
+from avrid.reshard.engines import VLLM_EXTENSION
 from avrid.reshard.layout import ModelLayout
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -362,26 +362,6 @@ class VllmEngine:
                     llm.llm_engine.engine_core.shutdown()
         finally:
             VllmEngine._live = False
-
-
-class QuietVllmSink(VllmSink):
-    """Chapter 4's `VllmSink` with every call inside `quiet_vllm`, like the engine's own
-    methods: the weight sync calls the sink directly (`VllmEngine.sink`), not through the
-    engine, and vLLM logs while it loads (e.g. "RotaryEmbedding: Failed to load weights",
-    harmless: the rotary table is computed when the engine is built and is kept)."""
-
-    def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
-             rank: int | None = None) -> None:
-        with quiet_vllm():
-            super().load(tensors, layout=layout, rank=rank)
-
-    def finish(self) -> None:
-        with quiet_vllm():
-            super().finish()
-
-    def checksums(self, layout: ModelLayout | None, rank: int | None = None) -> dict[str, int]:
-        with quiet_vllm():
-            return super().checksums(layout, rank)
 
 
 def _completion(out: Any, stop_token_ids: Sequence[int] = ()) -> Completion:

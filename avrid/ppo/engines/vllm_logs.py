@@ -21,6 +21,8 @@ Nothing is hidden when the user asked to see it: avrid's ``--debug`` (``AVRID_DE
 which Ray workers inherit from the driver) or their own ``VLLM_LOGGING_LEVEL`` or
 ``VLLM_LOGGING_CONFIG_PATH``. Errors always show.
 
+`QuietVllmSink` is chapter 4's sink inside the same scope.
+
 Not here: the engine (`vllm_engine`). What this cannot silence: lines that vLLM's C++
 code prints through torch's C++ logger (one "NUMA binding" warning per engine on the CPU
 build), since torch reads that logger's level once, at process start
@@ -33,8 +35,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+
+import torch
+
+from avrid.reshard.engines import VllmSink
+from avrid.reshard.layout import ModelLayout
 
 USER_SETTINGS = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH")
 """vLLM's variables that say the user chose vLLM's logging: with either set, avrid keeps out."""
@@ -79,3 +86,27 @@ def quiet_vllm() -> Iterator[None]:
     finally:
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
         vllm_logger.setLevel(level)
+
+
+class QuietVllmSink(VllmSink):
+    """Chapter 4's `VllmSink` with every call inside `quiet_vllm`, like the engine's own
+    methods: the weight sync calls the sink directly (`VllmEngine.sink`), not through the
+    engine, and vLLM logs while it loads (e.g. "RotaryEmbedding: Failed to load weights",
+    harmless: the rotary table is computed when the engine is built and is kept)."""
+
+    def load(self, tensors: Mapping[str, torch.Tensor], *, layout: ModelLayout | None = None,
+             rank: int | None = None) -> None:
+        with quiet_vllm():
+            super().load(tensors, layout=layout, rank=rank)
+
+    def load_stream(self, groups: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        with quiet_vllm():
+            super().load_stream(groups)
+
+    def finish(self) -> None:
+        with quiet_vllm():
+            super().finish()
+
+    def checksums(self, layout: ModelLayout | None, rank: int | None = None) -> dict[str, int]:
+        with quiet_vllm():
+            return super().checksums(layout, rank)

@@ -12,7 +12,10 @@ stops the run.
 The weights stream, one load group at a time: a group is a run of whole modules (vLLM loads
 a fused q/k/v or gate/up module only once all its pieces arrived, so a module is never cut)
 holding at most half a bucket; each group is assembled on the trainer's device (its own
-shards copied, the other ranks' received), loaded, and freed before the next one. Nothing
+shards copied, the other ranks' received), loaded, and freed before the next one. The groups
+are produced lazily by a generator that the engine consumes in ONE load per sync
+(`WeightSink.load_stream`): on vLLM one `reload_weights`, which costs a pass over every module
+of the model whatever it carries, so one per group would cost (groups x modules). Nothing
 goes through host memory on a GPU, and at most about one bucket of whole tensors and receive
 buffers is alive at once, whatever the model's size (a single module larger than half a
 bucket, e.g. a big embedding, is a group of its own).
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -128,18 +131,27 @@ class WeightSync:
 
     def run(self, shards: Mapping[str, torch.Tensor], sink: WeightSink,
             group: dist.ProcessGroup | None, device: str | torch.device = "cpu") -> SyncReport:
-        """Move, load and verify, group by group; every rank of the group calls it at once."""
+        """Move, load and verify, group by group, in one load of the engine
+        (`WeightSink.load_stream`: one vLLM reload per sync); every rank of the group calls
+        it at once."""
         start = time.perf_counter()
         mine: dict[str, int] = {}
-        for names, plan in zip(self.groups, self.plans, strict=True):
-            # A no-op (the same tensors) when the dtypes already agree, e.g. fp32 training,
-            # and the shards are on `device` (not when offloaded: FSDP2's CPU offload).
-            part = {n: shards[n].to(device, self.engine_dtype) for n in names}
-            sink.load(execute(plan, self.rank, part, group=group, device=device))
-            # The fingerprint check: the checksums of the (cast) source shards, added over
-            # all ranks, are the whole (cast) tensors' checksums.
-            mine.update(layout_checksums(plan.source, self.rank, part))
-            del part  # this group's tensors die here, before the next group's are made
+
+        def groups() -> Iterator[dict[str, torch.Tensor]]:
+            """Each group's whole tensors, made only when the engine asks for them (the
+            transfer's collectives run inside the load, in the same order on every rank)."""
+            for names, plan in zip(self.groups, self.plans, strict=True):
+                # A no-op (the same tensors) when the dtypes already agree, e.g. fp32
+                # training, and the shards are on `device` (not when offloaded: FSDP2's CPU
+                # offload).
+                part = {n: shards[n].to(device, self.engine_dtype) for n in names}
+                # The fingerprint check: the checksums of the (cast) source shards, added
+                # over all ranks, are the whole (cast) tensors' checksums.
+                mine.update(layout_checksums(plan.source, self.rank, part))
+                yield execute(plan, self.rank, part, group=group, device=device)
+                del part  # this group's tensors die here, before the next group's are made
+
+        sink.load_stream(groups())
         sink.finish()
         parts: list[dict[str, int]] = [mine]
         if group is not None and dist.get_world_size(group) > 1:

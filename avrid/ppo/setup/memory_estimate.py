@@ -49,7 +49,7 @@ from avrid.ppo.setup.memory_activations import (
     logit_bytes,
     workload_of,
 )
-from avrid.ppo.setup.memory_pipeline import push_parts, rollout_phases
+from avrid.ppo.setup.memory_pipeline import push_parts, receive_bytes, rollout_phases
 from avrid.ppo.setup.memory_setup import setup_parts
 from avrid.ppo.setup.memory_shapes import ModelShape, adapter_params, shapes_of
 from avrid.ppo.setup.rollout import gpu_memory_share
@@ -275,7 +275,8 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
             **base, **masters_only, "optim": actor["optim"], **push_parts(policy, cd=cd)}))
         phases += [Phase(name=name, gpu="rollout", parts=parts) for name, parts in
                    rollout_phases(engine_part, runtime=rt,
-                                  vllm=config.rollout.engine == "vllm")]
+                                  vllm=config.rollout.engine == "vllm",
+                                  received=receive_bytes(policy, cd=cd))]
     else:
         sync = max(BUCKET_BYTES, 2 * cd * policy.largest_module)
         phases.append(Phase(name="weight sync", gpu="policy", parts={
