@@ -159,6 +159,22 @@ def test_the_suggestions_try_cheap_knobs_before_more_gpus() -> None:
     assert not any(s.startswith("placement.actor_dp") for sets in ladder for s in sets)
 
 
+def test_a_full_fine_tune_that_does_not_fit_is_offered_the_same_run_and_lora_apart(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Offload keeps the run as configured; LoRA trains something else: both are offered,
+    the same run first, LoRA labelled as the different run it is."""
+    tries = [line for line in cli(capsys, "--gpus", "1").splitlines()
+             if line.startswith("  try (")]
+    assert len(tries) == 2, tries
+    assert "--set memory.cpu_offload=true" in tries[0] and "lora" not in tries[0]
+    assert "--set lora.rank=16" in tries[1] and "a different run" in tries[1]
+    # A LoRA run is offered no LoRA.
+    tries = [line for line in cli(capsys, "--gpus", "1", "--set", "lora.rank=16",
+                                  "--set", "train.micro_batch_tokens=131072").splitlines()
+             if line.startswith("  try (")]
+    assert tries and not any("a different run" in t for t in tries), tries
+
+
 def test_gpus_must_be_a_count(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("0", "eight", "-1"):
         with pytest.raises(SystemExit):

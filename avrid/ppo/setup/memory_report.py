@@ -141,11 +141,15 @@ def _needed(config: PPOConfig, actor_dp: int) -> float:
         return math.inf
 
 
-def suggest(config: PPOConfig, gpu_bytes: int, gpus: int | None = None
-            ) -> tuple[list[str], Estimate] | None:
+def suggest(config: PPOConfig, gpu_bytes: int, gpus: int | None = None, *,
+            lora: bool | None = None) -> tuple[list[str], Estimate] | None:
     """The first layout of the ladder whose estimate fits `gpu_bytes` on at most `gpus` GPUs
-    (its ``--set`` assignments and estimate), or None."""
+    (its ``--set`` assignments and estimate), or None. `lora`: only layouts that add LoRA
+    (True) or only those that do not (False: the same run as configured)."""
     for sets in _ladder(config, gpus):
+        adds_lora = any(s.startswith("lora.rank=") for s in sets)
+        if lora is not None and adds_lora != lora:
+            continue
         try:
             candidate = with_overrides(config, sets)
         except ValueError:  # a combination the config refuses (e.g. vLLM's TP rules)
@@ -154,6 +158,22 @@ def suggest(config: PPOConfig, gpu_bytes: int, gpus: int | None = None
         if verdict(est, gpu_bytes, gpus)[0]:
             return sets, est
     return None
+
+
+def _suggestions(config: PPOConfig, gpu_bytes: int, gpus: int | None
+                 ) -> list[tuple[str, list[str], Estimate]]:
+    """What `report` proposes when a layout does not fit: the cheapest layout that trains
+    the same run (no LoRA added), and, for a full fine-tune, the cheapest with LoRA (a
+    different run: a user choosing between offload's slower steps and adapters wants both),
+    the same run first."""
+    found = []
+    for lora, label in ((False, ""), (True, ", trains LoRA adapters instead: a different run")):
+        if lora and config.lora.enabled:
+            continue
+        hit = suggest(config, gpu_bytes, gpus, lora=lora)
+        if hit is not None:
+            found.append((label, *hit))
+    return found
 
 
 def report(config: PPOConfig, gpu_bytes: int, *, label: str = "",
@@ -172,16 +192,15 @@ def report(config: PPOConfig, gpu_bytes: int, *, label: str = "",
     fits, line = verdict(est, gpu_bytes, gpus)
     lines += ["", line]
     if not fits:
-        found = suggest(config, gpu_bytes, gpus)
-        if found is None:
+        found = _suggestions(config, gpu_bytes, gpus)
+        if not found:
             most = f"{gpus} GPUs" if gpus is not None else f"actor_dp={MAX_DP}"
             lines.append(f"  no layout up to {most} with checkpointing, smaller micro-batches, "
                          f"LoRA and cpu_offload fits: try more or larger GPUs")
-        else:
-            sets, better = found
+        for label, sets, better in found:
             _, ok = verdict(better, gpu_bytes, gpus)
-            lines.append(f"  try ({_count(better)}): " + " ".join(f"--set {s}" for s in sets)
-                         + f"  -> {ok}")
+            lines.append(f"  try ({_count(better)}{label}): "
+                         + " ".join(f"--set {s}" for s in sets) + f"  -> {ok}")
     return "\n".join(lines) + "\n"
 
 
