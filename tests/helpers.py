@@ -346,7 +346,8 @@ def trainer_logprobs(model: Any, prompts: Any, completions: Any, *, temperature:
     x = model_inputs(trainer_batch(prompts, responses), pad_id)
     device = next(model.parameters()).device
     x = dataclasses.replace(x, **{f.name: getattr(x, f.name).to(device)
-                                  for f in dataclasses.fields(x)})
+                                  for f in dataclasses.fields(x)
+                                  if isinstance(getattr(x, f.name), torch.Tensor)})
     with torch.no_grad():
         logp, _ = response_logprobs(model, x, temperature)
     return [logp[i, :len(r)].clone() for i, r in enumerate(responses)]
