@@ -202,6 +202,39 @@ def test_a_step_that_returns_no_step_result_is_named(engine: TorchEngine) -> Non
                      tokenizer=IdTokenizer(), limits=SHORT, params=PARAMS)
 
 
+@dataclass
+class EndsSaying:
+    """Ends the episode at its first step, with `last` as the observation."""
+
+    last: object
+
+    def reset(self) -> list[int]:
+        return [2]
+
+    def step(self, action_ids: Sequence[int], action_text: str) -> StepResult:
+        return StepResult(observation=self.last, reward=1.0, done=True)
+
+
+@pytest.mark.parametrize("last, shown", [("you win", "'you win'"), ([3, 4], "[3, 4]")],
+                         ids=["text", "ids"])
+def test_an_observation_returned_with_done_is_refused_not_dropped(
+        engine: TorchEngine, last: object, shown: str) -> None:
+    # No turn follows a done step, so the policy could never read `last`: silently dropping
+    # it hid a bug of the environment (it was the loop's behaviour before).
+    with pytest.raises(ValueError, match=re.escape(
+            f"task 'obs': the environment of prompt 5 ('2+2=') returned at turn 1 done=True "
+            f"with the observation {shown}; an episode that is over shows the policy nothing "
+            f"more: return observation='' (or []) with done=True, or done=False")):
+        run_episodes(engine, [ScriptedEnv([2], [[3]], 1), EndsSaying(last)],
+                     tokenizer=IdTokenizer(), limits=SHORT, params=PARAMS, task_name="obs",
+                     prompts=[named(0, "a"), named(5, "2+2=")])
+    # Empty, in either form, is how an episode ends.
+    for empty in ("", []):
+        trajs, _ = run_episodes(engine, [EndsSaying(empty)], tokenizer=IdTokenizer(),
+                                limits=SHORT, params=PARAMS)
+        assert trajs[0].done and trajs[0].reward == 1.0
+
+
 @dataclass(frozen=True)
 class CountingTokenizer(IdTokenizer):
     """Counts the characters of every text it tokenizes (`seen`); says nothing of how long

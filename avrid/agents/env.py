@@ -19,10 +19,11 @@ A user's environment is plain Python in their own module, found like a task
 (``--task my_module:make_task``, on the path of the driver and of every worker).
 
 What the loop holds an environment to: `reset` and every observation are text or token ids
-in range(tokenizer.vocab_size), and `step` returns a `StepResult` within
-`EpisodeLimits.step_wall_s`. Anything else is a bug of the environment and fails the whole
-rollout at once, with one error naming the task, the prompt and the turn (a failing tool is
-not a bug: its error is an observation the policy learns from). A step that hangs is
+in range(tokenizer.vocab_size), the observation of a step with `done=True` is empty, and
+`step` returns a `StepResult` within `EpisodeLimits.step_wall_s`. Anything else is a bug of
+the environment and fails the whole rollout at once, with one error naming the task, the
+prompt and the turn (a failing tool is not a bug: its error is an observation the policy
+learns from). A step that hangs is
 abandoned on its thread (`step_pool.py`). An observation longer than the tokens left ends
 the episode as truncated: it is never cut, and a text far too long is not even tokenized.
 
@@ -50,8 +51,11 @@ class StepResult:
 
     observation: str | Sequence[int]
     """The next observation: text (tokenized with the policy's tokenizer, without EOS) or
-    token ids in range(tokenizer.vocab_size) (used as they are). Empty when the episode is
-    over."""
+    token ids in range(tokenizer.vocab_size) (used as they are). Empty ("" or []) when
+    `done` is True: no policy turn follows, so nothing would ever read it, and the loop
+    refuses a non-empty one (an error naming the episode) rather than drop it unseen or
+    append tokens no action depends on. To show the policy a last text, return it with
+    `done=False` and end the episode on the next turn."""
     reward: float | None = None
     """The episode's reward when the environment has one: the last one given is the
     episode's score (outcome reward)."""

@@ -26,7 +26,9 @@ prompt (index and text) and the turn; it never waits for other steps still runni
   (neither the caller nor interpreter exit waits for it);
 - a step that returns something other than a `StepResult`, or a first context (`reset`) or
   observation that is neither text nor token ids in range(tokenizer.vocab_size): ValueError
-  showing the value.
+  showing the value;
+- a step that returns `done=True` with a non-empty observation: ValueError showing it (no
+  turn follows, so the policy could never read it; it is refused, never silently dropped).
 
 Steps still queued when the loop fails never start. An observation too long for what is left
 of `max_tokens` ends the episode as truncated, never cut; a text longer than the room times
@@ -138,8 +140,9 @@ def run_episodes(engine: Any, envs: Sequence[Environment], *, tokenizer: Tokeniz
 
     The first failure ends the call at once, naming the task, the prompt and the turn: a
     step that raises or runs past `limits.step_wall_s` (RuntimeError), returns something
-    other than a `StepResult`, or a first context or observation that is neither text nor
-    token ids in range(tokenizer.vocab_size) (ValueError).
+    other than a `StepResult`, a first context or observation that is neither text nor
+    token ids in range(tokenizer.vocab_size), or a non-empty observation with `done=True`
+    (ValueError).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -243,8 +246,16 @@ def _step(ep: _Episode, turn: list[int], text: str, vocab: int, task_name: str) 
     if not isinstance(step, StepResult):
         raise ValueError(f"{where} returned {_short(step)} ({type(step).__name__}) at turn "
                          f"{n}; step() must return a StepResult")
-    return replace(step, observation=_checked(step.observation, vocab,
-                                              f"{where} returned at turn {n} the observation"))
+    observation = _checked(step.observation, vocab,
+                           f"{where} returned at turn {n} the observation")
+    if step.done and len(observation) > 0:
+        # No policy turn follows a done step, so nothing could ever read this observation;
+        # refused rather than dropped unseen (or appended as tokens no action depends on).
+        raise ValueError(f"{where} returned at turn {n} done=True with the observation "
+                         f"{_short(observation)}; an episode that is over shows the policy "
+                         f"nothing more: return observation='' (or []) with done=True, or "
+                         f"done=False to show it and end the episode on a later turn")
+    return replace(step, observation=observation)
 
 
 def _observe(ep: _Episode, step: StepResult, tokenizer: Tokenizer, limits: EpisodeLimits,
