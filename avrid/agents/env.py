@@ -23,9 +23,9 @@ in range(tokenizer.vocab_size), the observation of a step with `done=True` is em
 `step` returns a `StepResult` within `EpisodeLimits.step_wall_s`. Anything else is a bug of
 the environment and fails the whole rollout at once, with one error naming the task, the
 prompt and the turn (a failing tool is not a bug: its error is an observation the policy
-learns from). A step that hangs is
-abandoned on its thread (`step_pool.py`). An observation longer than the tokens left ends
-the episode as truncated: it is never cut, and a text far too long is not even tokenized.
+learns from). A step that hangs is abandoned on its thread (`step_pool.py`). An
+observation longer than the tokens left ends the episode as truncated: it is never cut, and
+a text far too long is not even tokenized.
 
 Not here: running tools (`tools.py`, `sandbox.py`), the token record (`trajectory.py`), the
 loop itself (`episodes.py`).
