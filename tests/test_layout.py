@@ -1,5 +1,6 @@
 """The library's shape, as a learner meets it: small files, no import cycles, every
-sub-package of avrid.ppo with its reading order, and one PPO step readable in eight files.
+sub-package of avrid.ppo with its reading order, one PPO step readable in nine files, and
+docs that count and name the config's sections and the presets as the code has them.
 
 These read the source (ast, grimp); nothing here imports torch or starts Ray.
 """
@@ -161,3 +162,70 @@ def test_no_code_imports_the_old_flat_module_paths() -> None:
             for p in (ROOT / folder).rglob("*.py")
             if p.name != "test_layout.py" and old.search(p.read_text())]
     assert not hits, hits
+
+
+# ---- what the docs say the config is made of ---------------------------------------------------
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen")
+
+
+def config_sections() -> list[str]:
+    """The sections of `PPOConfig`, in order, read from config.py's class body."""
+    tree = ast.parse((PPO / "setup" / "config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PPOConfig")
+    return [n.target.id for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+
+def preset_names() -> list[str]:
+    """The names `--preset` takes: the keys of presets.py's `PRESETS`."""
+    tree = ast.parse((PPO / "setup" / "presets.py").read_text())
+    table = next(n.value for n in tree.body if isinstance(n, ast.AnnAssign)
+                 and isinstance(n.target, ast.Name) and n.target.id == "PRESETS")
+    assert isinstance(table, ast.Dict)
+    return [ast.literal_eval(k) for k in table.keys if k is not None]
+
+
+SECTION_COUNTS = ("README.md", "chapters/ch05_ppo/README.md", "avrid/ppo/setup/config.py",
+                  "avrid/ppo/setup/__init__.py")
+"""Files that say how many sections `PPOConfig` has ("ten sections", "nine typed sections")."""
+
+PRESET_LISTS = {
+    "chapters/ch05_ppo/README.md": ("Nothing has to divide anything.", "On the command line"),
+    "README.md": ("avrid/ppo/setup/presets.py ", "avrid/ppo/setup/field_help.py"),
+    "avrid/ppo/setup/__init__.py": ("presets.py ", "11."),
+    "avrid/ppo/setup/presets.py": ("``--set section.field=value``.", '"""'),
+}
+"""Where the docs list every preset: file -> the text from the first marker to the second
+(whitespace runs read as one space)."""
+
+
+def test_the_docs_count_the_config_sections_right() -> None:
+    sections = config_sections()
+    word = NUMBER_WORDS[len(sections)]
+    for name in SECTION_COUNTS:
+        text = " ".join((ROOT / name).read_text().split())
+        counts = re.findall(r"\b(\w+) (?:small |frozen |typed )*sections\b", text)
+        said = [c for c in counts if c in NUMBER_WORDS]
+        assert said, f"{name} no longer says how many sections PPOConfig has"
+        assert set(said) == {word}, f"{name} says {said} sections; PPOConfig has {word}"
+    # chapter 5 names them, in order, between dashes
+    readme = " ".join((ROOT / "chapters" / "ch05_ppo" / "README.md").read_text().split())
+    listed = readme.split(f"with {word} sections — ", 1)[1].split(" — ", 1)[0]
+    assert re.findall(r"`(\w+)`", listed) == sections
+
+
+def test_the_docs_list_every_preset() -> None:
+    presets = preset_names()
+    for name, (start, end) in PRESET_LISTS.items():
+        text = " ".join((ROOT / name).read_text().split())
+        assert start in text, f"{name}: the list of presets (after {start!r}) is gone"
+        part = text.split(start, 1)[1].split(end, 1)[0]
+        # presets.py's docstring names the functions (tiny_ppo), the others the names (tiny-ppo)
+        listed = [n.replace("_", "-") for n in re.findall(r"\b(?:tiny|small|pipeline|qwen)"
+                                                         r"[-_][\w-]+", part)]
+        assert sorted(set(listed)) == sorted(presets), (name, listed)
+        count = re.search(r"\b(\w+) presets\b", part)
+        if count and count.group(1) in NUMBER_WORDS:
+            assert count.group(1) == NUMBER_WORDS[len(presets)], (name, count.group(1))

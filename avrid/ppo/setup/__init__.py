@@ -11,7 +11,8 @@ Read in this order:
 7.  tools.py        its `tools` section (chapter 7): which sandbox runs a task's tool code
 8.  validate.py     `validate`: every check that involves more than one field, in one place
 9.  overrides.py    ``section.field=value`` assignments (the command line's ``--set``)
-10. presets.py      named configs (`tiny-ppo`, `tiny-grpo`, `small-cpu`, `qwen-gsm8k`)
+10. presets.py      named configs (`tiny-ppo`, `tiny-grpo`, `tiny-ppo-lora`, `tiny-ppo-vllm`,
+                    `tiny-agent`, `small-cpu`, `pipeline-cpu`, `qwen-gsm8k`)
 11. field_help.py   every field's type, default and docstring (``--help-config``)
 12. config_file.py  a config as a YAML/JSON file, out and back in (``--print-config``, ``--config``)
 13. task.py         the `Task` contract: prompts, a verifiable reward, `check_reward`

@@ -7,8 +7,10 @@ with ``--preset`` and changes single fields with ``--set section.field=value``.
 - `tiny_ppo` (the default of `avrid ppo`): PPO with a critic, a 2-layer random model, the
   two-digit reversal task, two data-parallel CPU workers. A few minutes on a laptop.
 - `tiny_grpo`: the same with GRPO (no critic, group-relative advantages).
+- `tiny_ppo_lora`: `tiny_ppo` training LoRA adapters on the actor instead of its weights.
 - `tiny_ppo_vllm`: `tiny_ppo` with the real vLLM engine (its CPU build) generating in each
   policy rank, weights synced and fingerprint-checked every step: the GPU path, on CPU.
+- `tiny_agent`: chapter 7's laptop run, multi-turn episodes with a calculator tool (GRPO).
 - `small_cpu`: a wider model and bigger batches, where model compute dominates the step —
   what `benchmarks/bench_ppo.py` measures orchestration overhead against.
 - `pipeline_cpu`: one rank per role and a workload whose generation and training take about
