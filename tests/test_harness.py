@@ -71,16 +71,6 @@ def test_avrid_command_rejects_unknown_chapter() -> None:
     assert "unknown chapter 'ch99'" in run.stderr and "ch01_workers" in run.stderr
 
 
-def test_readme_first_taste_runs() -> None:
-    text = (ROOT / "README.md").read_text()
-    code = text.split("## A first taste", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
-                         capture_output=True,
-                         text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    assert "hello you from greeter[1], dp=1" in run.stdout
-
-
 def test_readme_file_tree_lists_every_tracked_file() -> None:
     run = subprocess.run(["git", "ls-files"], cwd=ROOT, env=child_env(), capture_output=True,
                          text=True, timeout=30)
