@@ -35,7 +35,8 @@ Nothing a run wrote is lost by starting another one:
 - a checkpoint is written every ``train.checkpoint_every`` steps (default 50) and at the
   end, the newest ``train.keep_checkpoints`` kept.
 
-Resume (``train.resume=true``) loads the latest checkpoint, refuses a config that changes
+Resume (``train.resume=true``; ``avrid ppo --resume --out DIR`` starts from the config the
+run recorded, `saving.saved_config`) loads the latest checkpoint, refuses a config that changes
 anything but the schedule, drops metric lines after the checkpoint and continues; since every
 random draw of the loop derives from (seed, step), the resumed run matches an uninterrupted
 one, and the driver's global RNGs (torch, Python's `random`, numpy) are restored too, for a
@@ -314,7 +315,8 @@ def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, 
                          + "; ".join(diffs) + f" (only train.{{{', '.join(SCHEDULE_FIELDS)}}} "
                          f"placement.{{{', '.join(WHERE_FIELDS)}}} and "
                          f"rollout.{{{', '.join(MEMORY_FIELDS)}}} and the memory and tools "
-                         f"sections may change)")
+                         f"sections may change; `avrid ppo --resume --out DIR` without "
+                         f"--preset or --config resumes with the run's own config)")
 
 
 def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # noqa: ANN001
