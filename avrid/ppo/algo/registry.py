@@ -5,8 +5,8 @@ and `POLICY_LOSSES`: no decorators, no class hierarchy, nothing registered behin
 Each entry is a function with ONE calling convention, so the trainer calls every estimator
 (and every loss) the same way:
 
-    estimator(inputs: AdvantageInputs) -> torch.Tensor | AdvantageOut
-    loss(inputs: PolicyLossInputs) -> losses.PolicyLossOut
+    estimator(inputs: AdvantageInputs) -> torch.Tensor | AdvantageOut   (B, T) float
+    loss(inputs: PolicyLossInputs) -> losses.PolicyLossOut   per_token, clipped, dual_clipped
 
 The built-in entries are thin adapters over the math in `advantages.py`, `estimators.py`,
 `losses.py` and `policy_losses.py`, which keep their own explicit arguments. A name that is
@@ -82,7 +82,14 @@ class AdvantageOut:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyLossInputs:
-    """What every policy loss is given, for one micro-batch (B rows, T response tokens)."""
+    """What every policy loss is given, for one micro-batch (B rows, T response tokens); it
+    returns a `losses.PolicyLossOut` of (B, T) tensors (its docstring is the contract).
+
+    Example: one response of 2 tokens whose ratios are 1.5 and 0.9 under advantage 1:
+    ``logp = log(tensor([[1.5, 0.9]]))``, ``old_logp = zeros(1, 2)``,
+    ``advantages = ones(1, 2)``, ``mask = ones(1, 2)``; PPO's loss ("ppo", clip 0.2) gives
+    ``per_token = [[-1.2, -0.9]]`` and ``clipped = [[True, False]]``.
+    """
 
     logp: torch.Tensor
     """(B, T) log-probs of the sampled tokens under the policy being trained (has grad)."""
