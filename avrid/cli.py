@@ -278,10 +278,7 @@ def _ppo(args: argparse.Namespace) -> None:
             sys.exit(128 + signum)  # 130 after Ctrl-C, 143 after SIGTERM
         else:
             if not summary.already_complete:  # if it is, `train` said so in one line
-                print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; "
-                      f"validation reward {summary.initial_val_reward:.3f} -> "
-                      f"{summary.final_val_reward:.3f}; outputs in {summary.out_dir}/ (the "
-                      f"policy in Hugging Face format: {summary.out_dir}/export/)", flush=True)
+                print(f"avrid ppo: {summary.finished_line(config.algo.name)}", flush=True)
         finally:
             stop.ignore()
             if not ray_was_running:  # now, not at exit: no signal may cut Ray's shutdown short

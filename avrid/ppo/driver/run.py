@@ -92,6 +92,11 @@ MEMORY_FIELDS = ("gpu_memory_utilization",)
 """`rollout` fields a resumed run may change too: how much GPU memory the engine takes."""
 
 
+FINAL_METRICS = {"actor/pg_loss": "policy loss", "reward/overlong_penalty": "overlong penalty"}
+"""Metric -> its name in `RunSummary.finished_line`, each the value of the last step logging
+it (a critic warm-up step has no policy loss; the penalty is logged only when it is on)."""
+
+
 class NoCheckpointError(OutDirError):
     """A resume was asked for, but the output directory holds no checkpoint."""
 
@@ -109,6 +114,18 @@ class RunSummary:
     """Wall time of this invocation (a resumed run counts only its own part)."""
     already_complete: bool = False
     """True: a resume found the run at train.steps already, so nothing was started."""
+
+    def finished_line(self, algo: str) -> str:
+        """The line `avrid ppo` ends a run with: its time, the validation reward before and
+        after, the last step's policy loss (`actor/pg_loss`) and overlong penalty (when
+        `algo.overlong_buffer` is on), and where the outputs are."""
+        last = {k: v for row in self.rows for k, v in row.items() if v is not None}
+        shown = [f"{name} {last[key]:.4g}" for key, name in FINAL_METRICS.items() if key in last]
+        return (f"{algo} finished in {self.seconds:.0f} s; validation reward "
+                f"{self.initial_val_reward:.3f} -> {self.final_val_reward:.3f}; "
+                + (f"last step: {', '.join(shown)}; " if shown else "")
+                + f"outputs in {self.out_dir}/ (the policy in Hugging Face format: "
+                f"{self.out_dir}/export/)")
 
 
 def train(config: PPOConfig, *, log: Callable[[str], None] | None = None,
