@@ -18,7 +18,8 @@
 Where `avrid ppo`'s config comes from, each step overriding the one before (`PPO_SOURCES`):
 a preset (--preset, default tiny-ppo) or a config file (--config; a whole config, so not
 both), then the flags (--algo, --steps, --seed, --out, --backend, --address, --task,
---resume), then each --set in order.
+--resume), then each --set in order; ``--resume --out DIR`` without --preset or --config
+starts from the config that DIR's run recorded in its checkpoint.
 
 It sits above every layer and holds no logic of its own: training is `avrid.pipeline.train`
 (chapter 5's `avrid.ppo.driver.run.train` with the trainer of `pipeline.mode`), exporting is
@@ -66,7 +67,8 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
 
 PPO_SOURCES = """\
 where the config comes from, each step overriding the one before:
-  1. --preset NAME (default tiny-ppo), or --config FILE: a whole config (not both)
+  1. --preset NAME (default tiny-ppo), or --config FILE: a whole config (not both);
+     with --resume --out DIR and neither: the config DIR's run recorded (state.json)
   2. the flags --algo --steps --seed --out --backend --address --task --resume
   3. --set section.field=value, in the order given
 
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                      "runs here) or HOST:PORT; placement.ray_address (default: RAY_ADDRESS, "
                      "else a local Ray)")
     ppo.add_argument("--task", help="task name, e.g. digits, gsm8k, my_module:make_task")
-    ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    ppo.add_argument("--resume", action="store_true", help="continue the run in --out from "
+                     "its last checkpoint, with its own config (or --preset's, --config's)")
     ppo.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="SECTION.FIELD=VALUE", help="any config field; repeatable")
     ppo.add_argument("--print-config", nargs="?", const="yaml", choices=("yaml", "json"),
@@ -275,10 +278,7 @@ def _ppo(args: argparse.Namespace) -> None:
             sys.exit(128 + signum)  # 130 after Ctrl-C, 143 after SIGTERM
         else:
             if not summary.already_complete:  # if it is, `train` said so in one line
-                print(f"avrid ppo: {config.algo.name} finished in {summary.seconds:.0f} s; "
-                      f"validation reward {summary.initial_val_reward:.3f} -> "
-                      f"{summary.final_val_reward:.3f}; outputs in {summary.out_dir}/ (the "
-                      f"policy in Hugging Face format: {summary.out_dir}/export/)", flush=True)
+                print(f"avrid ppo: {summary.finished_line(config.algo.name)}", flush=True)
         finally:
             stop.ignore()
             if not ray_was_running:  # now, not at exit: no signal may cut Ray's shutdown short
@@ -318,7 +318,8 @@ def _preset_help() -> str:
 
 
 def _first_config(args: argparse.Namespace) -> PPOConfig:
-    """Where a config starts: the --config file, or the preset (default tiny-ppo)."""
+    """Where a config starts: --config, --preset, a resumed run's own, or tiny-ppo."""
+    from avrid.ppo.driver.saving import saved_config
     from avrid.ppo.setup.config_file import read_config
     from avrid.ppo.setup.presets import preset
 
@@ -328,6 +329,8 @@ def _first_config(args: argparse.Namespace) -> PPOConfig:
                              f"whole config; use one (a file leaves nothing to a preset: "
                              f"write one from a preset with --preset NAME --print-config)")
         return read_config(args.config)
+    if args.resume and args.preset is None and args.out and (saved := saved_config(args.out)):
+        return saved  # (None: no checkpoint there; the resume then refuses, saying why)
     name = args.preset or "tiny-ppo"
     if args.algo not in (None, "ppo") and name == "tiny-ppo":
         name = "tiny-grpo"  # the default run's critic-free twin (its lr, its own out_dir)
@@ -359,7 +362,7 @@ def _after_interrupt(out_dir: str) -> str:
         return (f"no checkpoint was written yet, so there is nothing to resume; start again "
                 f"with another (or an emptied) --out than {out_dir}")
     return (f"the last checkpoint is {latest}; continue with `avrid ppo --resume --out "
-            f"{out_dir}` and the same preset (or --config) and --set options")
+            f"{out_dir}` (the run's own config is read from its checkpoint)")
 
 
 def _fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:

@@ -103,6 +103,42 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
         main(["ppo", "--out", str(tmp_path), "--set", "train.actor_lr=inf", "--debug"])
 
 
+USER = "tests.user_algo"
+SMALL_RUN = ["--preset", "tiny-grpo", "--backend", "inprocess", "--steps", "1",
+             "--set", "train.progress=false", "--set", "train.prompts_per_step=4",
+             "--set", "algo.responses_per_prompt=4", "--set", "train.mini_batch_size=16",
+             "--set", "train.val_prompts=4"]
+"""One step of tiny-grpo in this process: a few seconds, enough to reach the first update."""
+
+
+@pytest.mark.parametrize("setting, names", [
+    (f"algo.name={USER}:raises", f"algo.name='{USER}:raises' raised RuntimeError: mat1 and "
+                                 f"mat2 shapes cannot be multiplied"),
+    (f"algo.name={USER}:wrong_dtype", "returned advantages of dtype torch.bool; expected a "
+                                      "floating-point tensor"),
+    (f"algo.name={USER}:not_a_tensor", "returned advantages of shape list; expected a (B, T)"),
+    (f"algo.name={USER}:wrong_shape", "returned advantages of shape (16,); expected a (B, T)"),
+    (f"algo.name={USER}:not_finite", "returned non-finite advantages"),
+    # The policy loss runs in the actor's workers: the worker's one line carries the same.
+    (f"algo.policy_loss={USER}:loss_raises", f"algo.policy_loss='{USER}:loss_raises' raised "
+                                             f"ZeroDivisionError: division by zero"),
+    (f"algo.policy_loss={USER}:loss_wrong_shape", "expected a PolicyLossOut whose per_token"),
+])
+def test_a_broken_user_estimator_or_loss_is_one_line_with_status_2(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, setting: str, names: str) -> None:
+    code, err = run_main(capsys, "ppo", *SMALL_RUN, "--out", str(tmp_path), "--set", setting)
+    assert code == 2, err
+    assert err.startswith("avrid ppo: ") and names in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_debug_shows_a_broken_estimators_own_traceback(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="raised RuntimeError") as raised:
+        main(["ppo", *SMALL_RUN, "--out", str(tmp_path), "--set",
+              f"algo.name={USER}:raises", "--debug"])
+    assert isinstance(raised.value.__cause__, RuntimeError)  # the user's frame is kept
+
+
 def _command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "avrid.cli", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=150)

@@ -1,6 +1,7 @@
 """Chapter 5 — what a run writes down: JSONL metrics with resume semantics, sample dumps, the
 progress bar, the one-line summary, the plots, and clear errors for missing optional
-backends and for failed writes."""
+backends and for failed writes; the policy loss and the overlong penalty in the metrics and
+in the line a run ends with."""
 
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from avrid.ppo.data.credit import shaping_metrics
+from avrid.ppo.driver.run import RunSummary
 from avrid.ppo.outputs.metrics import MetricsLogger, Progress, SampleDump, format_step, read_metrics
 from avrid.ppo.outputs.outdir import WriteError
 from avrid.ppo.outputs.plots import phase_figure, reward_figure, write_plots
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
 from avrid.results.result import RESULT_VERSION, Span, WorkerResult
 from avrid.results.timeline import Timeline
 from avrid.workers import WorkerIdentity
+from tests.test_cli_config import run_main
+from tests.test_ppo_algo_registry import kl_batch
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -259,3 +266,46 @@ def test_figures_contents_and_empty_rows(tmp_path: Path) -> None:
     assert len(legend) == len(PHASES) + 1
     # Nothing logged yet: figures still draw (with a note) instead of failing.
     assert [p.name for p in write_plots([], tmp_path)] == ["reward.png", "phases.png"]
+
+
+# ---- the overlong penalty and the policy loss: in the metrics and the run's last line ---------
+
+def test_shaping_metrics_report_the_mean_overlong_penalty() -> None:
+    # Lengths 3, 1, 2, 4, budget 4, buffer 2, factor 0.5: penalties -0.25, 0, 0, -0.5.
+    on = with_overrides(PPOConfig(), ["algo.overlong_buffer=2", "algo.overlong_penalty=0.5"])
+    assert shaping_metrics(kl_batch(), on, max_response=4) == {
+        "reward/overlong_penalty": pytest.approx(-0.1875)}
+    assert shaping_metrics(kl_batch(), PPOConfig(), max_response=4) == {}  # off: no key
+
+
+def test_finished_line_shows_the_last_policy_loss_and_overlong_penalty(tmp_path: Path) -> None:
+    rows = [{"step": 0, "val/reward": 0.1},
+            {"step": 1, "actor/pg_loss": -0.5, "reward/overlong_penalty": -0.25},
+            {"step": 2, "reward/overlong_penalty": -0.125, "val/reward": 0.4}]  # no update
+    summary = RunSummary(out_dir=tmp_path, rows=rows, initial_val_reward=0.1,
+                         final_val_reward=0.4, seconds=3.0)
+    assert summary.finished_line("ppo") == (
+        f"ppo finished in 3 s; validation reward 0.100 -> 0.400; last step: policy loss -0.5, "
+        f"overlong penalty -0.125; outputs in {tmp_path}/ (the policy in Hugging Face format: "
+        f"{tmp_path}/export/)")
+    summary = RunSummary(out_dir=tmp_path, rows=rows[:1], initial_val_reward=0.1,
+                         final_val_reward=0.1, seconds=3.0)
+    assert "last step" not in summary.finished_line("ppo")
+
+
+def test_a_run_logs_its_policy_loss_and_overlong_penalty_and_ends_with_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, printed, err = run_main(
+        capsys, "ppo", "--backend", "inprocess", "--steps", "2", "--out", str(tmp_path),
+        "--set", "train.prompts_per_step=4", "--set", "algo.responses_per_prompt=4",
+        "--set", "train.mini_batch_size=16", "--set", "train.val_prompts=4",
+        "--set", "train.progress=false", "--set", "algo.overlong_buffer=2")
+    assert code == 0, err
+    steps = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    for row in steps:
+        assert row["reward/overlong_penalty"] <= 0.0
+        # No KL and no entropy term in tiny-ppo: the policy loss is the whole actor loss.
+        assert row["actor/pg_loss"] == row["actor/loss"]
+    last = steps[-1]
+    assert (f"; last step: policy loss {last['actor/pg_loss']:.4g}, overlong penalty "
+            f"{last['reward/overlong_penalty']:.4g}; outputs in") in printed.splitlines()[-1]

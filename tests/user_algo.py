@@ -5,7 +5,8 @@ What a researcher would write in their own module: plain functions taking one
 `AdvantageInputs` (or `PolicyLossInputs`), nothing registered, nothing in avrid changed. Two
 of them are valid and count their calls (`CALLS`), so a test can see that a run used them;
 the others are each wrong in one way the registry must catch: a wrong signature, a wrong
-shape, non-finite values. Not a place for avrid's own estimators (`avrid/ppo/algo/`).
+shape or dtype, non-finite values, an exception of its own. Not a place for avrid's own
+estimators (`avrid/ppo/algo/`).
 """
 
 from __future__ import annotations
@@ -69,3 +70,23 @@ def loss_wrong_shape(x: PolicyLossInputs) -> PolicyLossOut:
 
 NOT_A_FUNCTION = 3
 """Wrong: a name that is not callable."""
+
+
+def raises(x: AdvantageInputs) -> torch.Tensor:
+    """Wrong: raises (a bug in the user's own code, deep in torch)."""
+    return x.scores[:, None] @ x.mask  # (B, 1) @ (B, T): a shape error inside the function
+
+
+def wrong_dtype(x: AdvantageInputs) -> torch.Tensor:
+    """Wrong: a bool tensor (whether each response beat the mean), not float advantages."""
+    return (x.scores[:, None] > x.scores.mean()) & x.mask.bool()
+
+
+def not_a_tensor(x: AdvantageInputs) -> list[float]:
+    """Wrong: a list of per-response numbers."""
+    return x.scores.tolist()
+
+
+def loss_raises(x: PolicyLossInputs) -> PolicyLossOut:
+    """Wrong: a policy loss that raises."""
+    raise ZeroDivisionError("division by zero")

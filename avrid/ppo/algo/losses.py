@@ -199,18 +199,32 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyLossOut:
-    """What `policy_loss` returns: what the actor's update uses.
+    """What every policy loss returns (`policy_loss`, GSPO, CISPO, and yours: the contract of
+    ``algo.policy_loss=module:function``, `registry.PolicyLossInputs` in, this out), for one
+    micro-batch of B rows and T response tokens. The actor's update uses it so:
 
-    per_token: the (B, T) loss (grad; 0 on padding). The caller weights it with
-    `token_weights` (the whole mini-batch's counts) rather than averaging it here, so a
-    data-parallel update is exact; `aggregate(per_token, mask, mode)` is the loss of one batch.
-    clipped: (B, T) bool, where the clipped term was the active one (the clip fraction).
-    dual_clipped: (B, T) bool, where the dual-clip cap was (all False without dual clip).
+        loss = sum(per_token * off_policy_weight * token_weights) + KL and entropy terms
+
+    `token_weights` holds the whole mini-batch's counts in `algo.loss_agg`'s mode, so the sum
+    over micro-batches and ranks is the mini-batch's loss (a data-parallel update is exact):
+    a loss must not average its tokens itself. `compute_policy_loss` checks the three shapes.
+
+    Example (a REINFORCE loss, -A_t logp_t, that never clips):
+        >>> lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> zero = torch.zeros(1, 2, dtype=torch.bool)
+        >>> out = PolicyLossOut(per_token=-torch.tensor([[1.0, 0.5]]) * lp, clipped=zero,
+        ...                     dual_clipped=zero)
+        >>> out.per_token.detach().tolist()
+        [[1.0, 1.0]]
     """
 
     per_token: torch.Tensor
+    """(B, T) float loss of each token, with the gradient through `logp`; 0 on padding."""
     clipped: torch.Tensor
+    """(B, T) bool: where a clip was the active term (`actor/pg_clipfrac` is its share of the
+    valid tokens); all False for a loss without one."""
     dual_clipped: torch.Tensor
+    """(B, T) bool: where the dual-clip cap was (all False without dual clip)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

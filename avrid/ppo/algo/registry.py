@@ -5,8 +5,8 @@ and `POLICY_LOSSES`: no decorators, no class hierarchy, nothing registered behin
 Each entry is a function with ONE calling convention, so the trainer calls every estimator
 (and every loss) the same way:
 
-    estimator(inputs: AdvantageInputs) -> torch.Tensor | AdvantageOut
-    loss(inputs: PolicyLossInputs) -> losses.PolicyLossOut
+    estimator(inputs: AdvantageInputs) -> torch.Tensor | AdvantageOut   (B, T) float
+    loss(inputs: PolicyLossInputs) -> losses.PolicyLossOut   per_token, clipped, dual_clipped
 
 The built-in entries are thin adapters over the math in `advantages.py`, `estimators.py`,
 `losses.py` and `policy_losses.py`, which keep their own explicit arguments. A name that is
@@ -14,6 +14,9 @@ not built in is read as ``package.module:function`` (as `task.name` is) and impo
 estimator is a function in your own module, and nothing in avrid changes. `resolve_estimator`
 and `resolve_policy_loss` check it at start (it imports, it is callable, it takes one
 argument), so a typo fails in one line before any worker starts, not at the first update.
+At each call, `estimate` and `compute_policy_loss` check what it returns (shape, dtype,
+finite values) and turn an exception it raises into a ValueError naming the field: a broken
+user function is one line and exit status 2 from `avrid ppo`, never a bare traceback.
 
 Only "ppo" uses a critic (`ESTIMATORS_WITH_CRITIC`): a user's estimator sees `values=None`.
 Pure tensor code plus `importlib`; no models, no batches, no Ray.
@@ -79,7 +82,14 @@ class AdvantageOut:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyLossInputs:
-    """What every policy loss is given, for one micro-batch (B rows, T response tokens)."""
+    """What every policy loss is given, for one micro-batch (B rows, T response tokens); it
+    returns a `losses.PolicyLossOut` of (B, T) tensors (its docstring is the contract).
+
+    Example: one response of 2 tokens whose ratios are 1.5 and 0.9 under advantage 1:
+    ``logp = log(tensor([[1.5, 0.9]]))``, ``old_logp = zeros(1, 2)``,
+    ``advantages = ones(1, 2)``, ``mask = ones(1, 2)``; PPO's loss ("ppo", clip 0.2) gives
+    ``per_token = [[-1.2, -0.9]]`` and ``clipped = [[True, False]]``.
+    """
 
     logp: torch.Tensor
     """(B, T) log-probs of the sampled tokens under the policy being trained (has grad)."""
@@ -196,9 +206,14 @@ def resolve_policy_loss(name: str) -> PolicyLossFn:
 
 
 def estimate(name: str, x: AdvantageInputs) -> AdvantageOut:
-    """Run the estimator `name` on `x`; its result checked: (B, T) advantages, finite on the
-    valid tokens, and (B, T) returns if any."""
-    out = resolve_estimator(name)(x)
+    """Run the estimator `name` on `x`; its result checked: (B, T) floating-point advantages,
+    finite on the valid tokens, and (B, T) floating-point returns if any.
+
+    Raises:
+        ValueError: naming `algo.name` and what was wrong, for any of those, and for a
+            user's estimator that raised (its exception chained: ``--debug`` shows where).
+    """
+    out = _call_user(resolve_estimator(name), name, ADVANTAGE_ESTIMATORS, "algo.name", x)
     if not isinstance(out, AdvantageOut):
         out = AdvantageOut(advantages=out)
     for what, t in (("advantages", out.advantages), ("returns", out.returns)):
@@ -208,14 +223,23 @@ def estimate(name: str, x: AdvantageInputs) -> AdvantageOut:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"algo.name={name!r} returned {what} of shape {got}; expected a "
                              f"(B, T) = {tuple(x.mask.shape)} tensor")
+        # An integer or bool tensor is a slip (a mask returned, a rounding): refused, not cast.
+        if not t.is_floating_point():
+            raise ValueError(f"algo.name={name!r} returned {what} of dtype {t.dtype}; "
+                             f"expected a floating-point tensor (e.g. float32)")
         if not bool(torch.isfinite(t[x.mask.bool()]).all()):
             raise ValueError(f"algo.name={name!r} returned non-finite {what}")
     return out
 
 
 def compute_policy_loss(fn: PolicyLossFn, name: str, x: PolicyLossInputs) -> PolicyLossOut:
-    """Run the loss `fn` (`resolve_policy_loss(name)`) on `x`; its result checked."""
-    out = fn(x)
+    """Run the loss `fn` (`resolve_policy_loss(name)`) on `x`; its result checked.
+
+    Raises:
+        ValueError: naming `algo.policy_loss`, for a result that is not a `PolicyLossOut` of
+            (B, T) tensors, and for a user's loss that raised (its exception chained).
+    """
+    out = _call_user(fn, name, POLICY_LOSSES, "algo.policy_loss", x)
     shape = tuple(x.mask.shape)
     if not isinstance(out, PolicyLossOut) or any(
             tuple(t.shape) != shape for t in (out.per_token, out.clipped, out.dual_clipped)):
@@ -224,6 +248,22 @@ def compute_policy_loss(fn: PolicyLossFn, name: str, x: PolicyLossInputs) -> Pol
         raise ValueError(f"algo.policy_loss={name!r} returned {got}; expected a PolicyLossOut "
                          f"whose per_token, clipped and dual_clipped are (B, T) = {shape}")
     return out
+
+
+def _call_user(fn: Callable, name: str, builtins: dict[str, Any], field: str, x: Any) -> Any:
+    """``fn(x)``; a user's function (a name not in `builtins`) that raises becomes a
+    ValueError naming `field` and the exception, so `avrid ppo` reports it in one line and
+    exit status 2, like any other bad input. A built-in's exception is avrid's own bug (or
+    its own clear ValueError) and is left as it is."""
+    if name in builtins:
+        return fn(x)
+    try:
+        return fn(x)
+    except Exception as e:  # anything a user's code may raise; the traceback stays chained
+        text = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{field}={name!r} raised {type(e).__name__}"
+                         f"{': ' + text if text else ''} (your function; --debug shows where)"
+                         ) from e
 
 
 def is_valid_name(name: object, builtins: dict[str, Any]) -> bool:

@@ -5,7 +5,7 @@ have been added to the batch as columns. It does the parts that are about the BA
 columns, truncated responses, the KL's place, the loss mask) and hands the math to the
 estimator `algo.name` names (`algo/registry.py`), always through the same `AdvantageInputs`.
 `shaped_scores` is shared with dynamic sampling (`dynamic_sampling.py`), which must filter on
-the scores that will actually train.
+the scores that will actually train; `shaping_metrics` logs what its overlong penalty took.
 
 With an "action_mask" column (chapter 7: a multi-turn response interleaves the policy's tokens
 with observation tokens) the estimator runs on a COMPRESSED view (`ActionView`): per row only
@@ -56,6 +56,20 @@ def shaped_scores(batch: Batch, config: PPOConfig, max_response: int | None) -> 
                                            buffer=a.overlong_buffer,
                                            factor=a.overlong_penalty)
     return scores
+
+
+def shaping_metrics(batch: Batch, config: PPOConfig,
+                    max_response: int | None) -> dict[str, float]:
+    """What `shaped_scores`' overlong penalty took off the step's scores, as a metric:
+    ``reward/overlong_penalty``, its mean over the responses (<= 0), when
+    `algo.overlong_buffer` > 0; nothing otherwise. `train/reward` is the task's score before
+    it, so the two side by side show what the penalty costs."""
+    a = config.algo
+    if a.overlong_buffer <= 0 or max_response is None or not len(batch):
+        return {}
+    penalty = overlong_penalty(batch.response_lens, max_response=max_response,
+                               buffer=a.overlong_buffer, factor=a.overlong_penalty)
+    return {"reward/overlong_penalty": float(penalty.mean())}
 
 
 def compute_advantages(batch: Batch, config: PPOConfig, *,

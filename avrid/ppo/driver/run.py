@@ -35,7 +35,8 @@ Nothing a run wrote is lost by starting another one:
 - a checkpoint is written every ``train.checkpoint_every`` steps (default 50) and at the
   end, the newest ``train.keep_checkpoints`` kept.
 
-Resume (``train.resume=true``) loads the latest checkpoint, refuses a config that changes
+Resume (``train.resume=true``; ``avrid ppo --resume --out DIR`` starts from the config the
+run recorded, `saving.saved_config`) loads the latest checkpoint, refuses a config that changes
 anything but the schedule, drops metric lines after the checkpoint and continues; since every
 random draw of the loop derives from (seed, step), the resumed run matches an uninterrupted
 one, and the driver's global RNGs (torch, Python's `random`, numpy) are restored too, for a
@@ -91,6 +92,11 @@ MEMORY_FIELDS = ("gpu_memory_utilization",)
 """`rollout` fields a resumed run may change too: how much GPU memory the engine takes."""
 
 
+FINAL_METRICS = {"actor/pg_loss": "policy loss", "reward/overlong_penalty": "overlong penalty"}
+"""Metric -> its name in `RunSummary.finished_line`, each the value of the last step logging
+it (a critic warm-up step has no policy loss; the penalty is logged only when it is on)."""
+
+
 class NoCheckpointError(OutDirError):
     """A resume was asked for, but the output directory holds no checkpoint."""
 
@@ -108,6 +114,18 @@ class RunSummary:
     """Wall time of this invocation (a resumed run counts only its own part)."""
     already_complete: bool = False
     """True: a resume found the run at train.steps already, so nothing was started."""
+
+    def finished_line(self, algo: str) -> str:
+        """The line `avrid ppo` ends a run with: its time, the validation reward before and
+        after, the last step's policy loss (`actor/pg_loss`) and overlong penalty (when
+        `algo.overlong_buffer` is on), and where the outputs are."""
+        last = {k: v for row in self.rows for k, v in row.items() if v is not None}
+        shown = [f"{name} {last[key]:.4g}" for key, name in FINAL_METRICS.items() if key in last]
+        return (f"{algo} finished in {self.seconds:.0f} s; validation reward "
+                f"{self.initial_val_reward:.3f} -> {self.final_val_reward:.3f}; "
+                + (f"last step: {', '.join(shown)}; " if shown else "")
+                + f"outputs in {self.out_dir}/ (the policy in Hugging Face format: "
+                f"{self.out_dir}/export/)")
 
 
 def train(config: PPOConfig, *, log: Callable[[str], None] | None = None,
@@ -314,7 +332,8 @@ def _check_resumable(saved: dict[str, dict[str, Any]], now: dict[str, dict[str, 
                          + "; ".join(diffs) + f" (only train.{{{', '.join(SCHEDULE_FIELDS)}}} "
                          f"placement.{{{', '.join(WHERE_FIELDS)}}} and "
                          f"rollout.{{{', '.join(MEMORY_FIELDS)}}} and the memory and tools "
-                         f"sections may change)")
+                         f"sections may change; `avrid ppo --resume --out DIR` without "
+                         f"--preset or --config resumes with the run's own config)")
 
 
 def _samples(trainer: Trainer, batch, count: int) -> list[dict[str, Any]]:  # noqa: ANN001

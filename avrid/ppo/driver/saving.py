@@ -5,7 +5,9 @@ its own shards of the model and of AdamW straight into the checkpoint's temporar
 (`write_shards`, `shards.py`), and the driver adds only what it holds itself — the step, the
 data position, the config, the tokenizer, its global RNG states and, for a pipelined run,
 its pipeline's state. No tensor of a model travels to the driver. `resume_weights` turns a
-loaded `Checkpoint` back into what `Trainer.start` hands each role's `setup`.
+loaded `Checkpoint` back into what `Trainer.start` hands each role's `setup`, and
+`saved_config` reads the run's config back (``avrid ppo --resume --out DIR`` resumes with it,
+so the user need not type the run's command again).
 
 The workers write and read the checkpoint directory themselves, so every node of a
 multi-node run must see ``train.out_dir`` at the same path: a shared filesystem (NFS, Lustre,
@@ -17,6 +19,9 @@ when to save and how a resume is checked (`run.py`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,7 +34,8 @@ from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.outputs.checkpoint import Checkpoint, save_checkpoint
 from avrid.ppo.outputs.export import tokenizer_record
 from avrid.ppo.roles.trained import TrainedWorker
-from avrid.ppo.setup.config_file import config_to_dict
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.config_file import config_from_dict, config_to_dict
 
 
 def save(trainer: Trainer, root: Path, step: int) -> Path:
@@ -71,6 +77,39 @@ def resume_weights(ck: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
     weights: dict[str, Any] = dict(ck.weights)
     weights.update({name: str(path.resolve()) for name, path in ck.sharded.items()})
     return weights, dict(ck.optimizers)
+
+
+def saved_config(out_dir: str | os.PathLike[str]) -> PPOConfig | None:
+    """The config of the run in `out_dir` as its newest readable checkpoint recorded it
+    (``state.json``, written by `save`), set to resume that run: ``train.resume`` on,
+    ``train.out_dir`` = `out_dir`, and ``train.resume_from`` cleared (a resumed run records
+    where IT started; the next resume goes on from the latest checkpoint). None when no
+    checkpoint there has a readable state: the resume itself then refuses, saying why.
+
+    Raises:
+        ValueError: the recorded config is not one this avrid reads (a field since removed),
+            naming the file.
+    """
+    root = Path(out_dir) / "checkpoints"
+    # Newest first, past a damaged one: its config is the run's all the same, and `train`
+    # names the damage and the intact checkpoint to resume from.
+    steps = sorted(((int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit()),
+                   reverse=True) if root.is_dir() else []
+    for _, step_dir in steps:
+        path = step_dir / "state.json"
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8"))["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        try:
+            config = config_from_dict(recorded)
+        except ValueError as e:
+            raise ValueError(f"{path}: the run's recorded config cannot be read ({e}); resume "
+                             f"it with the --preset or --config (and --set options) it was "
+                             f"started with") from None
+        return dataclasses.replace(config, train=dataclasses.replace(
+            config.train, resume=True, resume_from=None, out_dir=str(out_dir)))
+    return None
 
 
 def rng_states() -> dict[str, Any]:

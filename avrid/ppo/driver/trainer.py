@@ -35,7 +35,7 @@ from avrid.dispatch import Batch, DispatchConfig
 from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.algo.registry import resolve_estimator, resolve_policy_loss
 from avrid.ppo.data.columns import Totals, action_mask, add_columns, padded, reads, with_responses
-from avrid.ppo.data.credit import compute_advantages, shaped_scores
+from avrid.ppo.data.credit import compute_advantages, shaped_scores, shaping_metrics
 from avrid.ppo.data.dynamic_sampling import FillStats, fill_groups, round_prompts, round_seed
 from avrid.ppo.data.prompts import (
     TRAIN,
@@ -353,6 +353,7 @@ class Trainer:
         mask = action_mask(batch).bool()  # observation tokens have no rollout_logp (chapter 7)
         gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
         out["train/reward"] = float(batch.scalars["score"].mean())
+        out.update(shaping_metrics(batch, self.config, self.max_response))
         if self.config.algo.dynamic_sampling:
             out.update(self.fill_stats.metrics())
         out["rollout/logprob_gap"] = float(gap.mean()) if gap.numel() else 0.0

@@ -27,6 +27,7 @@ beyond the models and the optimizer.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -278,6 +279,11 @@ class PolicyWorker(TrainedWorker):
                 per_token = per_token * iw.weights
                 b.metric("actor/is_capped_frac", iw.capped[valid].float(), "mean_tokens")
             loss = (per_token * w).sum()
+            # The policy loss alone, before the KL and entropy terms: summed like actor/loss
+            # (`train_shard`), each rank's share of the mini-batch's (w holds world_size).
+            pg_loss = float(loss.detach()) / self.identity.world_size
+            if math.isfinite(pg_loss):  # a non-finite step is skipped and counted there
+                b.metric("actor/pg_loss", pg_loss, "sum")
             b.metric("actor/pg_clipfrac", out.clipped[valid].float(), "mean_tokens")
             b.metric("actor/ppo_kl", (padded(mb, "old_logp") - logp.detach())[valid],
                      "mean_tokens")
