@@ -1,7 +1,8 @@
 """Chapter 5 — ``section.field=value`` overrides: the command line's ``--set``.
 
 `with_overrides` parses each assignment into the field's declared type (bool, int, float,
-str, None, a `Literal` choice, a ``k:v,k:v`` mapping) and returns a new config, checked again
+str, None, a `Literal` choice, a ``k:v,k:v`` mapping; ``task.rewards`` as
+``module:function=weight,...``, reward_functions.py) and returns a new config, checked again
 by every section and by `validate`. Unknown sections or fields are refused, listing the
 allowed ones.
 
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.reward_functions import parse_weights
 
 BOOLS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 """The words ``--set`` reads as a bool (any case): YAML's, so a file and --set agree."""
@@ -58,6 +60,8 @@ def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
 
 def _parse(raw: str, hint: Any, key: str) -> Any:
     """Turn a command-line string into the field's type (bool, int, float, str, None, dict)."""
+    if key.strip() == "task.rewards":  # `spec=weight`: a spec holds ':', so not `k:v` below
+        return parse_weights(raw)
     origin = typing.get_origin(hint)
     optional = origin in (typing.Union, types.UnionType)  # `float | None` and friends
     args = typing.get_args(hint) if optional else ()
