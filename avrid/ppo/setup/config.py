@@ -96,7 +96,10 @@ class TaskConfig:
     path: str | None = None
     """Local data file (.jsonl or .parquet) for tasks that read one (gsm8k)."""
     options: Mapping[str, Any] = field(default_factory=lambda: {"op": "reverse", "length": 3})
-    """Extra keyword arguments for the task's constructor/factory."""
+    """Extra keyword arguments for the task's constructor/factory. On the command line
+    key:value,key:value (task.options=op:sort,length:4; empty for none), each value read as
+    the type the task declares for it (else true/false, a number, or the text); JSON and
+    anything else are refused (see setup/task_options.py). In a file, a mapping."""
     reward: str | None = None
     """Your reward function instead of the task's: "module:function" (a module on the import
     path; the directory you run avrid from is on it, for the Ray workers too) or
