@@ -73,6 +73,16 @@ def short_batch(prompts, responses, answers, **metadata):
 
 short_batch.batched = True
 
+def raises(prompt, response, answer, **metadata):
+    raise ValueError("no such\\ncolumn")
+
+
+def half_batched(prompts, responses, answers, **metadata):
+    return [0.0] * len(prompts)
+
+
+half_batched.batched = 1
+
 not_a_function = 3
 '''
 
@@ -134,6 +144,12 @@ def test_a_bad_value_names_the_function_the_sample_and_the_value(user_dir: Path,
     assert "\n" not in str(e.value)
 
 
+def test_an_exception_in_the_function_names_it_and_the_sample(user_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"^reward function 'user_rewards:raises' raised "
+                                         r"ValueError: no such column \(on sample 10\)$"):
+        score_samples(load_functions({"user_rewards:raises": 1.0}), _samples())
+
+
 # ---- bad specs: one line at config time --------------------------------------------------------
 
 @pytest.mark.parametrize("spec, says", [
@@ -156,6 +172,13 @@ def test_a_bad_spec_is_one_line_before_anything_starts(capsys: pytest.CaptureFix
     assert "expected 'module:function' (a module on the import path) or " \
            "'path/to/file.py:function'" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_batched_attribute_that_is_not_a_bool_is_refused(user_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"^config field 'task.reward': reward function "
+                                         r"'user_rewards:half_batched': its attribute batched "
+                                         r"is 1; set it to True"):
+        with_overrides(preset("tiny-grpo"), ["task.reward=user_rewards:half_batched"])
 
 
 def test_reward_and_rewards_are_not_both_set(user_dir: Path) -> None:

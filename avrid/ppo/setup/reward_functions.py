@@ -165,7 +165,7 @@ class RewardFunction:
     @property
     def batched(self) -> bool:
         """True when the function carries ``batched = True``: called once with lists."""
-        return getattr(self.function, "batched", False) is True
+        return getattr(self.function, "batched", False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,9 +178,17 @@ class Sample:
 
 
 def load_functions(weights: Mapping[str, float]) -> tuple[RewardFunction, ...]:
-    """Every spec of `weights` (spec -> weight) loaded; a bad spec is one ValueError."""
-    return tuple(RewardFunction(spec=spec, weight=float(w), function=load_function(spec))
-                 for spec, w in weights.items())
+    """Every spec of `weights` (spec -> weight) loaded; a bad spec, or a `batched` attribute
+    that is not a bool, is one ValueError."""
+    functions = []
+    for spec, weight in weights.items():
+        function = load_function(spec)
+        flag = getattr(function, "batched", False)
+        if not isinstance(flag, bool):  # `batched = 1` must not silently mean "per sample"
+            raise ValueError(f"reward function {spec!r}: its attribute batched is {flag!r}; "
+                             f"set it to True (lists in, a list out) or leave it out")
+        functions.append(RewardFunction(spec=spec, weight=float(weight), function=function))
+    return tuple(functions)
 
 
 def score_samples(functions: Sequence[RewardFunction], samples: Sequence[Sample]
@@ -194,17 +202,18 @@ def score_samples(functions: Sequence[RewardFunction], samples: Sequence[Sample]
     owner: dict[str, str] = {}  # logged name -> the function that gave it
     for fn in functions:
         own: list[float] = []
+        keys: list[str] | None = None  # the extras' names, as the first sample gave them
         for i, (sample, value) in enumerate(zip(samples, _call(fn, samples), strict=True)):
             score, extras = _read(fn, sample, value)
             scores[i] += fn.weight * score
             own.append(score)
-            mine = sorted(k for k, v in owner.items() if v == fn.spec)
-            if i == 0:
-                for name in extras:
+            if keys is None:
+                keys = sorted(extras)
+                for name in keys:
                     _claim(name, fn, owner)
-            elif sorted(extras) != mine:
+            elif sorted(extras) != keys:  # a metric is a mean over every sample
                 raise ValueError(f"sample {sample.sample_id}: reward function {fn.spec!r} "
-                                 f"returned the extras {sorted(extras)}, but {mine} for the "
+                                 f"returned the extras {sorted(extras)}, but {keys} for the "
                                  f"first sample; every sample must give the same keys")
             for name, v in extras.items():
                 logged.setdefault(name, []).append(v)
@@ -252,8 +261,9 @@ def _guarded(fn: RewardFunction, sample_id: int, *args: Any, **metadata: Any) ->
         return fn.function(*args, **metadata)
     except Exception as e:
         what = "batch from sample" if fn.batched else "sample"
-        raise ValueError(f"reward function {fn.spec!r} raised {type(e).__name__}: {e} (on "
-                         f"{what} {sample_id})") from e
+        message = " ".join(str(e).split())  # one line, whatever the user's error holds
+        raise ValueError(f"reward function {fn.spec!r} raised {type(e).__name__}: {message} "
+                         f"(on {what} {sample_id})") from e
 
 
 def _metadata(fn: RewardFunction, sample: Sample) -> Mapping[str, Any]:
