@@ -44,6 +44,9 @@ def test_a_valid_option_string_is_typed_by_the_task() -> None:
     typed = "tests.test_task_options:make_typed"
     assert parse_options("mode:7,temperature:2,limit:null,strict:true", typed) == {
         "mode": "7", "temperature": 2.0, "limit": None, "strict": True}
+    # a class with an __init__ (not a dataclass): its parameters' annotations
+    assert parse_options("val_fraction:0.2,seed:3,instruction:Think", "gsm8k") == {
+        "val_fraction": 0.2, "seed": 3, "instruction": "Think"}
 
 
 def test_undeclared_options_are_read_by_their_look_and_nan_stays_text() -> None:
@@ -61,6 +64,7 @@ def test_undeclared_options_are_read_by_their_look_and_nan_stays_text() -> None:
                                         "got 'nan'"),
     ("tests.test_task_options:make_typed", "temperature:nan",
      "temperature must be float (the task declares temperature: float), got 'nan'"),
+    ("gsm8k", "seed:x", "seed must be int (the task declares seed: int), got 'x'"),
     ("digits", "op=sort", "'op=sort' has no ':'"),
     ("digits", "op:sort,op:copy", "key 'op' is given twice"),
     ("digits", "length:", "key 'length' has no value"),

@@ -74,7 +74,7 @@ def _declared(task_name: str) -> tuple[dict[str, Any], bool]:
     try:
         make = task_constructor(task_name)
         parameters = inspect.signature(make).parameters.values()
-    except (ValueError, TypeError):
+    except Exception:  # e.g. the module raises on import: load_task reports it at start
         return {}, True
     hints = _hints(make)
     declared = {p.name: hints.get(p.name) for p in parameters
@@ -83,8 +83,10 @@ def _declared(task_name: str) -> tuple[dict[str, Any], bool]:
 
 
 def _hints(make: Callable[..., Any]) -> dict[str, Any]:
-    try:  # a class's fields (a dataclass task) or a factory's parameters
-        return typing.get_type_hints(make)
+    """The annotations of what `make` is called with: a class's ``__init__`` (a dataclass's
+    is generated from its fields) or a factory's parameters."""
+    try:
+        return typing.get_type_hints(make.__init__ if isinstance(make, type) else make)
     except Exception:  # an annotation that does not resolve: treat as undeclared
         return {}
 
