@@ -55,6 +55,15 @@ def length_bonus(prompt, response, answer, **metadata):
     return {"score": len(response) / 10, "length": float(len(response))}
 
 
+def no_metadata(prompt, response, answer):
+    """Takes none of the prompt's metadata (the digit task's `op`)."""
+    return float(response == answer)
+
+
+def op_only(prompt, response, answer, op):
+    return float(op == "reverse")
+
+
 def nan_reward(prompt, response, answer, **metadata):
     return float("nan")
 
@@ -109,6 +118,12 @@ def test_a_dict_gives_the_score_and_extras_by_name(user_dir: Path) -> None:
     scores, extras = score_samples(load_functions({"user_rewards:exact": 1.0}), _samples())
     assert scores == [1.0, 0.0, 0.0]
     assert extras == {"first_digit": [1.0, 0.0, 1.0], "is_reverse": [1.0, 1.0, 1.0]}
+
+
+def test_a_function_gets_only_the_metadata_it_names(user_dir: Path) -> None:
+    functions = load_functions({"user_rewards:no_metadata": 0.5, "user_rewards:op_only": 0.5})
+    assert functions[0].keywords == frozenset({"prompt", "response", "answer"})
+    assert score_samples(functions, _samples())[0] == [1.0, 0.5, 0.5]
 
 
 def test_weights_combine_as_a_weighted_sum(user_dir: Path) -> None:

@@ -14,8 +14,10 @@ The function is called once per sample::
         ...
 
 with the prompt's text, the decoded response (cut at EOS), the task's answer and the prompt's
-metadata (`Prompt.metadata`) as keyword arguments. It returns a number, or a dict holding
-``"score"`` (the number) and extra values, each logged as the metric ``reward/<name>``.
+metadata (`Prompt.metadata`) as keyword arguments (only the keys it names, unless it takes
+``**metadata``: ``exact(prompt, response, answer)`` works with any task). It returns a
+number, or a dict holding ``"score"`` (the number) and extra values, each logged as the
+metric ``reward/<name>``.
 
 A *batched* function scores a whole shard in one call (a learned judge, a code sandbox that
 runs many programs at once). It says so with a function attribute, next to its code, so the
@@ -44,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -155,6 +158,9 @@ class RewardFunction:
     spec: str
     weight: float
     function: Callable[..., Any]
+    keywords: frozenset[str] | None
+    """The metadata keys it names as parameters; None: all (it takes ``**metadata``, or its
+    signature cannot be read)."""
 
     @property
     def name(self) -> str:
@@ -187,8 +193,23 @@ def load_functions(weights: Mapping[str, float]) -> tuple[RewardFunction, ...]:
         if not isinstance(flag, bool):  # `batched = 1` must not silently mean "per sample"
             raise ValueError(f"reward function {spec!r}: its attribute batched is {flag!r}; "
                              f"set it to True (lists in, a list out) or leave it out")
-        functions.append(RewardFunction(spec=spec, weight=float(weight), function=function))
+        functions.append(RewardFunction(spec=spec, weight=float(weight), function=function,
+                                        keywords=_keywords(function)))
     return tuple(functions)
+
+
+def _keywords(function: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword parameters `function` names, or None when it takes any (``**metadata``):
+    ``f(prompt, response, answer)`` is a fine reward function for a task whose prompts carry
+    metadata it does not need."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: pass what there is
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def score_samples(functions: Sequence[RewardFunction], samples: Sequence[Sample]
@@ -238,9 +259,7 @@ def _call(fn: RewardFunction, samples: Sequence[Sample]) -> Sequence[Any]:
     if not fn.batched:
         return [_guarded(fn, s.sample_id, s.prompt.text, s.response, s.prompt.answer,
                          **_metadata(fn, s)) for s in samples]
-    keys = sorted({k for s in samples for k in s.prompt.metadata})
-    for s in samples:
-        _metadata(fn, s)  # refuses metadata that would shadow an argument
+    keys = sorted({k for s in samples for k in _metadata(fn, s)})
     metadata = {k: [s.prompt.metadata.get(k) for s in samples] for k in keys}
     values = _guarded(fn, samples[0].sample_id,
                       [s.prompt.text for s in samples], [s.response for s in samples],
@@ -267,12 +286,15 @@ def _guarded(fn: RewardFunction, sample_id: int, *args: Any, **metadata: Any) ->
 
 
 def _metadata(fn: RewardFunction, sample: Sample) -> Mapping[str, Any]:
-    clash = [k for k in sample.prompt.metadata if k in CALL_ARGS]
+    """The sample's metadata that `fn` takes (all of it, with ``**metadata``)."""
+    taken = {k: v for k, v in sample.prompt.metadata.items()
+             if fn.keywords is None or k in fn.keywords}
+    clash = [k for k in taken if k in CALL_ARGS]
     if clash:
         raise ValueError(f"sample {sample.sample_id}: prompt {sample.prompt.index}'s metadata "
                          f"key {clash[0]!r} would shadow reward function {fn.spec!r}'s "
                          f"argument; metadata may not use {', '.join(CALL_ARGS)}")
-    return sample.prompt.metadata
+    return taken
 
 
 def _read(fn: RewardFunction, sample: Sample, value: Any) -> tuple[float, dict[str, float]]:
