@@ -131,6 +131,8 @@ class TaskConfig:
         need(self.reward is None or not self.rewards, "task.rewards",
              "set task.reward (one function) or task.rewards (several, weighted), not both")
         for spec, weight in dict(self.rewards).items():
+            need(isinstance(spec, str), "task.rewards",
+                 f"keys are 'module:function' specs, got {spec!r}")
             need(isinstance(weight, int | float) and not isinstance(weight, bool)
                  and math.isfinite(weight), f"task.rewards.{spec}",
                  f"a weight must be a finite number, got {weight!r}")
