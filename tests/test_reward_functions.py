@@ -19,6 +19,7 @@ import pytest
 
 from avrid.cli import main
 from avrid.ppo.driver.run import train
+from avrid.ppo.setup.config_file import read_config, write_config
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.reward_functions import Sample, load_functions, score_samples
@@ -202,6 +203,21 @@ def test_reward_and_rewards_are_not_both_set(user_dir: Path) -> None:
                                              "task.rewards=user_rewards:partial=1"])
     with pytest.raises(ValueError, match="'user_rewards:partial' needs a finite weight"):
         with_overrides(preset("tiny-grpo"), ["task.rewards=user_rewards:partial"])
+
+
+def test_rewards_in_a_config_file_are_a_mapping_and_round_trip(user_dir: Path) -> None:
+    path = user_dir / "run.yaml"
+    path.write_text("task:\n  rewards:\n    user_rewards:partial: 0.7\n"
+                    "    user_rewards:length_bonus: 0.3\n")
+    config = read_config(path)
+    assert dict(config.task.reward_weights) == {"user_rewards:partial": 0.7,
+                                                "user_rewards:length_bonus": 0.3}
+    write_config(config, user_dir / "again.yaml")
+    assert read_config(user_dir / "again.yaml") == config
+    (user_dir / "bad.yaml").write_text("task:\n  rewards:\n    user_rewards:partial: high\n")
+    with pytest.raises(ValueError, match=r"'task.rewards.user_rewards:partial': a weight must "
+                                         r"be a finite number, got 'high'"):
+        read_config(user_dir / "bad.yaml")
 
 
 def test_a_file_spec_is_made_absolute_for_the_workers(user_dir: Path,
