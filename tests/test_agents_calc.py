@@ -115,3 +115,11 @@ def test_make_trainer_picks_the_trainer_by_task() -> None:
         AgentTrainer(digits)
     with pytest.raises(ValueError, match="AgentPipelinedTrainer"):
         AgentTrainer(agent_config("pipeline.mode=one_step_off", "pipeline.rollout_dp=1"))
+
+
+def test_a_reward_function_beside_a_multi_turn_task_is_refused() -> None:
+    # The environments give an episode's reward; a task.reward would never be called.
+    config = agent_config("task.reward=avrid.ppo.setup.task:check_reward")
+    with pytest.raises(ValueError, match=r"config field 'task.reward': task "
+                                         r"'avrid.agents.calc:make_task' is multi-turn"):
+        AgentTrainer(config)

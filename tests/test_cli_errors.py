@@ -36,7 +36,8 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     ("train.critic_lr=nan", "train.critic_lr': must be a finite number"),
     ("algo.entropy_coef=nan", "algo.entropy_coef': must be a finite number"),
     ("rollout.temperature=inf", "rollout.temperature': must be a finite number"),
-    ("task.options=op:reverse,length:nan", "task.options.length': must be a string"),
+    ("task.options=op:reverse,length:nan", "length must be int (the task declares length: "
+                                           "int), got 'nan'"),
     ("train.seed=100000000000000000000", "train.seed': must be in [0, 2**32)"),
     ("train.seed=-1", "train.seed': must be in [0, 2**32)"),
     ("algo.loss_agg=sum", "allowed: token-mean"),

@@ -68,10 +68,18 @@ class EpisodeSteps:
 
 
 def check_agent_task(task: object, config: PPOConfig) -> None:
-    """A trainer of episodes refuses a single-turn task, in one line."""
+    """A trainer of episodes refuses a single-turn task, and a reward function beside a
+    multi-turn one (its environments give the rewards; the function would never be called),
+    in one line."""
     if not is_agent_task(task):
         raise ValueError(f"task {config.task.name!r} is single-turn (no make_env, limits, "
                          f"turn_stops): train it with avrid.pipeline.train")
+    if config.task.reward_weights:
+        field = "task.reward" if config.task.reward is not None else "task.rewards"
+        raise ValueError(f"config field {field!r}: task {config.task.name!r} is multi-turn, "
+                         f"so its environments give the rewards (StepResult.reward) and a "
+                         f"reward function would never be called; drop {field} or give the "
+                         f"task's environment that reward")
 
 
 def check_tools(config: PPOConfig) -> None:

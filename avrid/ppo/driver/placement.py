@@ -69,7 +69,8 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
                           pool="policy", cpus=REWARD_CPU_SHARE,
                           init_kwargs={"task_name": config.task.name,
                                        "task_options": dict(config.task.options),
-                                       "task_path": config.task.path, "tokenizer": tokenizer}))
+                                       "task_path": config.task.path, "tokenizer": tokenizer,
+                                       "rewards": dict(config.task.reward_weights)}))
     return pools, roles
 
 

@@ -1,7 +1,9 @@
 """Chapter 5 — `RewardWorker`: scores responses with the task's verifiable reward.
 
 The reward role decodes each response (cut at the first EOS), looks up the prompt it answers
-and calls ``task.reward(prompt, text)``. Every value goes through `task.check_reward`, so a
+and calls ``task.reward(prompt, text)`` — or, when the config names reward functions
+(``task.reward=module:function``, `setup/reward_functions.py`), those, weighted, with their
+extra values logged as ``reward/<name>``. Every value goes through `task.check_reward`, so a
 user reward that returns NaN, inf or a string stops the step with an error naming the sample,
 the prompt and the value, instead of silently poisoning the advantages.
 
@@ -12,12 +14,13 @@ driver; here one CPU worker suffices, but the dispatch is the same for many.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from avrid.dispatch import Shard
+from avrid.dispatch import Batch, Shard
 from avrid.ppo.setup.catalog import load_task
+from avrid.ppo.setup.reward_functions import Sample, load_functions, score_samples
 from avrid.ppo.setup.task import Prompt, Task, check_reward
 from avrid.ppo.setup.tokenizer import Tokenizer, response_text
 from avrid.results import ResultBuilder, WorkerResult
@@ -32,7 +35,8 @@ class RewardWorker(Worker):
     """Scores shards of (prompt + response) sequences; outputs the per-sample "score"."""
 
     def __init__(self, identity: WorkerIdentity, *, task_name: str, task_options: dict,
-                 task_path: str | None, tokenizer: Tokenizer) -> None:
+                 task_path: str | None, tokenizer: Tokenizer,
+                 rewards: Mapping[str, float] | None = None) -> None:
         super().__init__(identity)
         kwargs = dict(task_options)
         if task_path is not None:
@@ -45,23 +49,42 @@ class RewardWorker(Worker):
         self.splits: tuple[Sequence[Prompt], Sequence[Prompt]] = (
             self.task.train_prompts(), self.task.val_prompts())
         self.tokenizer = tokenizer
+        # `rewards` (spec -> weight) replaces the task's reward; its modules are imported here,
+        # by name, like a custom task's (a file spec arrives as an absolute path).
+        self.functions = load_functions(rewards or {})
 
     def score(self, shard: Shard) -> WorkerResult:
         """Reward of every sample of the shard; needs scalar columns "prompt_index" and
         "split" (TRAIN or VAL)."""
         builder = ResultBuilder.for_shard(self.identity, shard)
         batch = shard.batch
-        scores = torch.zeros(len(batch), dtype=torch.float32)
+        extras: dict[str, list[float]] = {}
         with builder.span("reward"):
-            for i in range(len(batch)):
-                split = int(batch.scalars["split"][i])
-                prompt = self.splits[split][int(batch.scalars["prompt_index"][i])]
-                row = batch.packed["tokens"].row(i)[int(batch.prompt_lens[i]):].tolist()
-                value = self.task.reward(prompt, response_text(row, self.tokenizer))
-                try:
-                    scores[i] = check_reward(value, task_name=self.task.name, prompt=prompt)
-                except ValueError as e:
-                    raise ValueError(f"sample {int(batch.sample_ids[i])}: {e}") from None
+            samples = [self._sample(batch, i) for i in range(len(batch))]
+            if self.functions:
+                values, extras = score_samples(self.functions, samples)
+            else:
+                values = [self._task_reward(s) for s in samples]
+            scores = torch.tensor(values, dtype=torch.float32)
         builder.add(batch.sample_ids, scalars={"score": scores})
         builder.metric("reward/score", scores, "mean_samples")
+        for name, column in extras.items():
+            builder.metric(f"reward/{name}", torch.tensor(column, dtype=torch.float32),
+                           "mean_samples")
         return builder.build()
+
+    def _task_reward(self, sample: Sample) -> float:
+        """The task's own reward of one sample, checked; errors name the sample."""
+        value = self.task.reward(sample.prompt, sample.response)
+        try:
+            return check_reward(value, task_name=self.task.name, prompt=sample.prompt)
+        except ValueError as e:
+            raise ValueError(f"sample {sample.sample_id}: {e}") from None
+
+    def _sample(self, batch: Batch, i: int) -> Sample:
+        """Row `i` of `batch` as its prompt and decoded response."""
+        split = int(batch.scalars["split"][i])
+        prompt = self.splits[split][int(batch.scalars["prompt_index"][i])]
+        row = batch.packed["tokens"].row(i)[int(batch.prompt_lens[i]):].tolist()
+        return Sample(sample_id=int(batch.sample_ids[i]), prompt=prompt,
+                      response=response_text(row, self.tokenizer))

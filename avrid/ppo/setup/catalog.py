@@ -8,6 +8,7 @@ protocol (`task.py`) and must have non-empty prompt lists, so a broken task fail
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from avrid.ppo.setup.digits import DigitTask
@@ -19,16 +20,19 @@ _ALLOWED = (f"a built-in task {', '.join(repr(b) for b in BUILTIN_TASKS)} or "
             "'package.module:factory' (a callable returning a Task)")
 
 
-def _make_builtin(spec: str, kwargs: dict[str, Any]) -> Any:
-    if spec == "digits":
-        return DigitTask(**kwargs)
-    if "path" not in kwargs:
-        raise ValueError("task 'gsm8k' needs path=<a local .jsonl or .parquet file>")
-    return Gsm8kTask(**kwargs)
+def task_constructor(spec: str) -> Callable[..., Any]:
+    """What `load_task(spec, **kwargs)` calls with the keyword arguments: a built-in task's
+    class or your factory, imported. ValueError naming the spec when it names neither.
 
-
-def _make_from_factory(spec: str, kwargs: dict[str, Any]) -> Any:
-    module_name, _, attr = spec.partition(":")
+    Example:
+        >>> task_constructor("digits").__name__
+        'DigitTask'
+    """
+    if spec in BUILTIN_TASKS:
+        return DigitTask if spec == "digits" else Gsm8kTask
+    module_name, colon, attr = spec.partition(":")
+    if not colon:
+        raise ValueError(f"unknown task {spec!r}; expected {_ALLOWED}")
     if not module_name or not attr:
         raise ValueError(f"task spec {spec!r} is not valid; expected {_ALLOWED}")
     try:
@@ -40,7 +44,7 @@ def _make_from_factory(spec: str, kwargs: dict[str, Any]) -> Any:
     if factory is None or not callable(factory):
         raise ValueError(f"task spec {spec!r}: module {module_name!r} has no callable "
                          f"{attr!r}; expected {_ALLOWED}")
-    return factory(**kwargs)
+    return factory
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:
@@ -52,13 +56,11 @@ def load_task(spec: str, **kwargs: Any) -> Task:
         >>> load_task("digits", op="sort", length=2, num_val=10).val_prompts()[0].text
         '15='
     """
+    make = task_constructor(spec)
+    if spec == "gsm8k" and "path" not in kwargs:
+        raise ValueError("task 'gsm8k' needs path=<a local .jsonl or .parquet file>")
     try:
-        if spec in BUILTIN_TASKS:
-            task = _make_builtin(spec, kwargs)
-        elif ":" in spec:
-            task = _make_from_factory(spec, kwargs)
-        else:
-            raise ValueError(f"unknown task {spec!r}; expected {_ALLOWED}")
+        task = make(**kwargs)
     except TypeError as e:  # wrong keyword arguments: say which task they were meant for
         raise TypeError(f"task {spec!r} with arguments {kwargs}: {e}") from e
     if not isinstance(task, Task):

@@ -36,6 +36,7 @@ from avrid.ppo.setup.algo import AlgoConfig
 from avrid.ppo.setup.lora import LoraConfig
 from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
+from avrid.ppo.setup.reward_functions import load_functions, resolve_spec
 from avrid.ppo.setup.rollout import RolloutConfig
 from avrid.ppo.setup.tools import ToolsConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
@@ -95,7 +96,22 @@ class TaskConfig:
     path: str | None = None
     """Local data file (.jsonl or .parquet) for tasks that read one (gsm8k)."""
     options: Mapping[str, Any] = field(default_factory=lambda: {"op": "reverse", "length": 3})
-    """Extra keyword arguments for the task's constructor/factory."""
+    """Extra keyword arguments for the task's constructor/factory. On the command line
+    key:value,key:value (task.options=op:sort,length:4; empty for none), each value read as
+    the type the task declares for it (else true/false, a number, or the text); JSON and
+    anything else are refused (see setup/task_options.py). In a file, a mapping."""
+    reward: str | None = None
+    """Your reward function instead of the task's: "module:function" (a module on the import
+    path; the directory you run avrid from is on it, for the Ray workers too) or
+    "path/to/file.py:function". Called as function(prompt, response, answer, **metadata) with
+    the prompt's text, the decoded response, the task's answer and the prompt's metadata;
+    returns a number, or a dict with "score" and extra values logged as reward/<name>. A
+    function with the attribute `batched = True` is called once per batch with lists (and
+    each metadata key a list) and returns a list. See setup/reward_functions.py."""
+    rewards: Mapping[str, float] = field(default_factory=dict)
+    """Several reward functions (specs as for `reward`) with weights: a sample's score is
+    sum(weight x function's score). In a file a mapping ({"mod:f1": 0.7, "mod:f2": 0.3});
+    on the command line task.rewards=mod:f1=0.7,mod:f2=0.3. Not together with `reward`."""
 
     def __post_init__(self) -> None:
         need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
@@ -109,6 +125,32 @@ class TaskConfig:
                  f"must be a string, a bool, an int, a finite float, None or a list of "
                  f"those, got {value!r}")
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
+        self._check_rewards()
+
+    def _check_rewards(self) -> None:
+        need(self.reward is None or not self.rewards, "task.rewards",
+             "set task.reward (one function) or task.rewards (several, weighted), not both")
+        for spec, weight in dict(self.rewards).items():
+            need(isinstance(spec, str), "task.rewards",
+                 f"keys are 'module:function' specs, got {spec!r}")
+            need(isinstance(weight, int | float) and not isinstance(weight, bool)
+                 and math.isfinite(weight), f"task.rewards.{spec}",
+                 f"a weight must be a finite number, got {weight!r}")
+        # A file spec is made absolute here, where the user's directory is the current one:
+        # the Ray workers that import it run elsewhere.
+        if self.reward is not None:
+            object.__setattr__(self, "reward", resolve_spec(self.reward))
+        object.__setattr__(self, "rewards", types.MappingProxyType(
+            {resolve_spec(spec): w for spec, w in dict(self.rewards).items()}))
+        try:  # imported now, so a bad spec fails before anything starts, not mid-run
+            load_functions(self.reward_weights)
+        except ValueError as e:
+            need(False, "task.reward" if self.reward is not None else "task.rewards", str(e))
+
+    @property
+    def reward_weights(self) -> Mapping[str, float]:
+        """The reward functions to use (spec -> weight); empty: the task's own reward."""
+        return {self.reward: 1.0} if self.reward is not None else dict(self.rewards)
 
 
 def _plain_json(value: Any) -> bool:

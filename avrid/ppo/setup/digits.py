@@ -80,7 +80,8 @@ class _DigitSplit(Sequence[Prompt]):
             raise IndexError(f"prompt index {i} out of range for a split of {self.size}")
         value = _shuffled(self.offset + i, 10**self.length, self.seed)
         digits = f"{value:0{self.length}d}"
-        return Prompt(index=i, text=digits + "=", answer=DIGIT_OPS[self.op](digits))
+        return Prompt(index=i, text=digits + "=", answer=DIGIT_OPS[self.op](digits),
+                      metadata={"op": self.op})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,9 +1,10 @@
 """Chapter 5 — ``section.field=value`` overrides: the command line's ``--set``.
 
 `with_overrides` parses each assignment into the field's declared type (bool, int, float,
-str, None, a `Literal` choice, a ``k:v,k:v`` mapping) and returns a new config, checked again
-by every section and by `validate`. Unknown sections or fields are refused, listing the
-allowed ones.
+str, None, a `Literal` choice; ``task.options`` as ``key:value,key:value`` typed by the task,
+task_options.py; ``task.rewards`` as ``module:function=weight,...``, reward_functions.py) and
+returns a new config, checked again by every section and by `validate`. Unknown sections or
+fields are refused, listing the allowed ones.
 
 A ``--set`` value is text, so it is read *as* the field's type, and accepted where the same
 value written in a config file would be (config_file.py's one rule): ``train.steps=3`` is 3,
@@ -17,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.reward_functions import parse_weights
+from avrid.ppo.setup.task_options import parse_options
 
 BOOLS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 """The words ``--set`` reads as a bool (any case): YAML's, so a file and --set agree."""
@@ -35,6 +38,7 @@ def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
         ('grpo', 5)
     """
     changes: dict[str, dict[str, Any]] = {}
+    options: str | None = None  # task.options' text, read below for the task it is meant for
     for text in assignments:
         key, sep, raw = text.partition("=")
         section, dot, name = key.strip().partition(".")
@@ -48,8 +52,14 @@ def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
         if name not in names:
             raise ValueError(f"override {text!r}: {section} has no field {name!r}; fields: "
                              f"{', '.join(names)}")
+        if key.strip() == "task.options":
+            options = raw.strip()
+            continue
         hint = typing.get_type_hints(type(current))[name]
         changes.setdefault(section, {})[name] = _parse(raw.strip(), hint, key)
+    if options is not None:  # typed by the task's declared options (task_options.py)
+        task = changes.get("task", {}).get("name", config.task.name)
+        changes.setdefault("task", {})["options"] = parse_options(options, task)
     # One replace per section, after all assignments: fields checked together (e.g. backend
     # and dp) see their new values at once.
     return dataclasses.replace(config, **{sec: dataclasses.replace(getattr(config, sec), **kw)
@@ -58,6 +68,8 @@ def with_overrides(config: PPOConfig, assignments: Sequence[str]) -> PPOConfig:
 
 def _parse(raw: str, hint: Any, key: str) -> Any:
     """Turn a command-line string into the field's type (bool, int, float, str, None, dict)."""
+    if key.strip() == "task.rewards":  # `spec=weight`: a spec holds ':' (task.options: above)
+        return parse_weights(raw)
     origin = typing.get_origin(hint)
     optional = origin in (typing.Union, types.UnionType)  # `float | None` and friends
     args = typing.get_args(hint) if optional else ()
@@ -73,20 +85,9 @@ def _parse(raw: str, hint: Any, key: str) -> Any:
             return BOOLS[raw.lower()]
         if kind in (int, float, str):
             return kind(raw)  # int("3.0") fails: a whole number only, as in a file
-        if typing.get_origin(kind) in (Mapping, dict) or kind is Mapping:
-            pairs = [p.split(":", 1) for p in raw.split(",") if p]
-            return {k: _scalar(v) for k, v in pairs}
     except ValueError:
         allowed = f" ({', '.join(BOOLS)})" if kind is bool else ""
         raise ValueError(f"override {key}={raw!r}: expected a value of type "
                          f"{getattr(kind, '__name__', kind)}{allowed}") from None
     return raw
 
-
-def _scalar(raw: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw

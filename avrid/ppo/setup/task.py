@@ -50,8 +50,8 @@ prompt, instead of silently poisoning the advantages.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -63,11 +63,15 @@ class Prompt:
         index: position in its split (train or validation); stable across runs.
         text: what the model is given (before tokenization).
         answer: the ground truth the task's reward checks the response against.
+        metadata: anything else about the prompt (a row's other columns, the task's
+            operation), passed to a reward function (`reward_functions.py`) as keyword
+            arguments. Left out of the hash: a dict has none.
     """
 
     index: int
     text: str
     answer: str
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 @runtime_checkable
@@ -110,16 +114,18 @@ MAX_ABS_REWARD = 1e6
 them: 1e300 became inf and then NaN advantages, far from the reward that caused it."""
 
 
-def check_reward(value: Any, *, task_name: str, prompt: Prompt) -> float:
-    """`value` as a float; ValueError naming the task and prompt if it is not a number (a
-    bool or a string is refused), not finite, or beyond +-`MAX_ABS_REWARD`.
+def check_reward(value: Any, *, prompt: Prompt, task_name: str | None = None,
+                 source: str | None = None) -> float:
+    """`value` as a float; ValueError naming the task (or `source`, e.g. "reward function
+    'm:f'") and prompt if it is not a number (a bool or a string is refused), not finite, or
+    beyond +-`MAX_ABS_REWARD`.
 
     Example:
         >>> check_reward(1, task_name="t", prompt=Prompt(index=0, text="1=", answer="1"))
         1.0
     """
-    where = f"task {task_name!r} returned reward {value!r} for prompt {prompt.index} " \
-            f"({prompt.text!r})"
+    who = source if source is not None else f"task {task_name!r}"
+    where = f"{who} returned reward {value!r} for prompt {prompt.index} ({prompt.text!r})"
     # float("0.5") and float(True) work, but a string or a bool is a bug in the reward
     # function (a `==` returned instead of a score), not a score.
     if isinstance(value, str | bytes) or type(value).__name__ in ("bool", "bool_"):
