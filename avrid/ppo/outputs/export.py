@@ -11,9 +11,9 @@ read any model on the Hub::
       tokenizer files          only for a Hugging Face tokenizer (saved from its local directory)
       avrid_tokenizer.json     only for the char tokenizer: its alphabet and id -> token table
 
-A LoRA run's export is three folders, so that an adapter can never be loaded onto the merged
-model (that adds (alpha / r) B A twice; it is what loading ``dest/adapter`` onto ``dest``
-did when the merged model sat at the top)::
+A LoRA run's export is three folders side by side, so that nothing in it leads the adapter
+onto the merged model (that adds (alpha / r) B A twice: it is what loading ``dest/adapter``
+onto ``dest`` did when the merged model sat at the top, with the adapter inside it)::
 
     dest/
       merged/    the policy with the adapters merged in, laid out as above (with ``merged``,
@@ -31,11 +31,12 @@ the adapter; so does ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretr
 dest / "adapter")``. A moved export keeps working with the second form (the path recorded
 is absolute: pass the moved base/ yourself).
 
-Load it with ``AutoModelForCausalLM.from_pretrained(dest)``; serve it with
-``vllm.LLM(model=dest)``, or ``vllm.LLM(model=dest, skip_tokenizer_init=True)`` (token ids in
-and out) when there are no tokenizer files. The char tokenizer is not a Hugging Face tokenizer,
-so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and decode with
-``avrid.ppo.setup.tokenizer.load_tokenizer("char:" + alphabet)``, or by its ``id_to_token`` table.
+Load it (a LoRA run's: ``dest/merged``) with ``AutoModelForCausalLM.from_pretrained(dest)``;
+serve it with ``vllm.LLM(model=dest)``, or ``vllm.LLM(model=dest, skip_tokenizer_init=True)``
+(token ids in and out) when there are no tokenizer files. The char tokenizer is not a Hugging
+Face tokenizer, so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and
+decode with ``avrid.ppo.setup.tokenizer.load_tokenizer("char:" + alphabet)``, or by its
+``id_to_token`` table.
 
 Where the architecture comes from: a tiny model (``model.path`` unset) is rebuilt from the saved
 config (`models.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
