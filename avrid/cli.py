@@ -9,7 +9,8 @@
     (Ctrl-C, or a scheduler's SIGTERM, stops a run: exit 130 or 143 and how to resume it)
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
                             for its latest checkpoint, a checkpoints/ root or a step directory;
-                            a LoRA run: its PEFT adapter, and with --merged the merged model)
+                            a LoRA run: DEST/adapter, the PEFT adapter, DEST/base, the base it
+                            names, and with --merged DEST/merged, the merged model)
     avrid chapters          list the chapters and how to run each demo
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
     avrid demo all          run every chapter's demo in order
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("dest", help="the directory to write (must not exist, or be empty)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty DEST")
     export.add_argument("--merged", action="store_true", help="a LoRA run: write the merged "
-                        "model too (base + adapters), not only the PEFT adapter in DEST/adapter")
+                        "model too, in DEST/merged, beside DEST/adapter and its DEST/base")
     # Errors are one line; --debug shows the traceback (and, for ppo, vLLM's own log lines).
     ppo.add_argument("--debug", action="store_true", help="show vLLM's own log lines, and on "
                      "an error the full traceback (or AVRID_DEBUG=1)")
@@ -278,7 +279,8 @@ def _ppo(args: argparse.Namespace) -> None:
             sys.exit(128 + signum)  # 130 after Ctrl-C, 143 after SIGTERM
         else:
             if not summary.already_complete:  # if it is, `train` said so in one line
-                print(f"avrid ppo: {summary.finished_line(config.algo.name)}", flush=True)
+                line = summary.finished_line(config.algo.name, lora=config.lora.enabled)
+                print(f"avrid ppo: {line}", flush=True)
         finally:
             stop.ignore()
             if not ray_was_running:  # now, not at exit: no signal may cut Ray's shutdown short

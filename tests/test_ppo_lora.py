@@ -2,26 +2,22 @@
 frozen and outside AdamW; the adapted model starts as the base; the reference is the base
 (adapters off) with no second copy; every sync sends the torch engine the merged weights,
 which equal W + (alpha / r) B A and give the adapted model's log-probs; a checkpoint holds the
-adapters only and a resumed run is the uninterrupted one; the export writes the merged model
-and a PEFT adapter directory that PEFT loads to the same function; it runs with FSDP2 over
-two ranks and in chapter 6's one-step-off mode. vLLM adapter serving is the vllm tier's
-(`tests/test_ppo_vllm_lora.py`, and chapter 6's push of adapters in
-`tests/test_ppo_vllm_loop.py`)."""
+adapters only and a resumed run is the uninterrupted one; it runs with FSDP2 over two ranks
+and in chapter 6's one-step-off mode. The export: `tests/test_ppo_lora_export.py`. vLLM
+adapter serving is the vllm tier's (`tests/test_ppo_vllm_lora.py`, and chapter 6's push of
+adapters in `tests/test_ppo_vllm_loop.py`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from avrid.cli import main
 from avrid.pipeline import make_trainer
 from avrid.ppo.driver.run import train
 from avrid.ppo.engines.models import build_tiny_policy, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
-from avrid.ppo.outputs.export import export_checkpoint
 from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.roles import lora
 from avrid.ppo.roles.policy import PolicyWorker
@@ -192,37 +188,6 @@ def test_a_checkpoint_holds_the_adapters_only_and_resume_is_exact(tmp_path: Path
     wa, wb = read_model_weights(a.sharded["actor"]), read_model_weights(b.sharded["actor"])
     assert wa and all(lora.is_adapter(n) for n in wa)  # no base weight is saved
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
-
-
-def test_the_export_is_the_merged_policy_and_a_peft_adapter_that_loads(tmp_path: Path) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "run"
-    train(tiny(out))
-    export = out / "export"
-    merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    config = json.loads((export / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == RANK and config["lora_alpha"] == ALPHA
-    assert "q_proj" in config["target_modules"]
-    base = policy_like(tmp_path)
-    adapted = PeftModel.from_pretrained(base, str(export / "adapter"))
-    x = torch.randint(2, 10, (2, 6))
-    assert torch.allclose(adapted(x).logits, merged(x).logits, atol=1e-5)
-
-    # `avrid export` writes the adapter, and the merged model only on request (--merged).
-    only = tmp_path / "adapter-only"
-    done = export_checkpoint(out, only, merged=False)
-    assert "model.safetensors" not in done.files and {"adapter", "config.json"} <= set(done.files)
-    again = PeftModel.from_pretrained(policy_like(tmp_path), str(only / "adapter"))
-    assert torch.allclose(again(x).logits, merged(x).logits, atol=1e-5)
-    # An adapter-only export is an earlier export: --overwrite may replace it, with a merged one.
-    done = export_checkpoint(out, only, overwrite=True, merged=True)
-    assert {"adapter", "config.json", "model.safetensors"} <= set(done.files)
-    main(["export", str(out), str(tmp_path / "cli")])
-    assert not (tmp_path / "cli" / "model.safetensors").exists()
-    main(["export", str(out), str(tmp_path / "cli"), "--overwrite", "--merged"])
-    assert (tmp_path / "cli" / "model.safetensors").is_file()
 
 
 def test_lora_trains_over_two_fsdp_ranks_in_bf16_and_one_step_off(tmp_path: Path,

@@ -86,8 +86,9 @@ def test_lora_adapters_served_to_vllm_train_as_the_merged_sync_and_resume_exactl
 
 def served_export_equals_merged_export(run_dir: Path, config: PPOConfig) -> None:
     """The run's exported PEFT adapter (`export/adapter`), served by a LoRA engine over the
-    run's base model, generates what the exported merged model does in an engine without
-    LoRA, and PEFT's own loading of it scores those tokens the same."""
+    exported base (`export/base`), generates what the exported merged model (`export/merged`)
+    does in an engine without LoRA, and PEFT's own loading of it onto the run's base, rebuilt,
+    scores those tokens the same."""
     import json
 
     from peft import PeftModel
@@ -99,14 +100,13 @@ def served_export_equals_merged_export(run_dir: Path, config: PPOConfig) -> None
     from tests.helpers import trainer_logprobs
 
     export = run_dir / "export"
-    tok = json.loads((export / "avrid_tokenizer.json").read_text())
+    tok = json.loads((export / "merged" / "avrid_tokenizer.json").read_text())
     base = initial_policy(config, vocab_size=len(tok["id_to_token"]), eos_id=tok["eos_token_id"],
                           pad_id=tok["pad_token_id"])
-    base.save_pretrained(run_dir / "base")
     prompts = [[2, 3, 12], [5, 9, 4, 12], [7, 12]]
     greedy = SamplingParams(max_new_tokens=8, greedy=True)
     done = {}
-    for name, path, rank in (("adapter", run_dir / "base", 8), ("merged", export, 0)):
+    for name, path, rank in (("adapter", export / "base", 8), ("merged", export / "merged", 0)):
         engine = VllmEngine(str(path), max_model_len=32, dtype="float32", lora_rank=rank)
         try:
             if rank:

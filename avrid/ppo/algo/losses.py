@@ -298,12 +298,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                mask: torch.Tensor, *, clip: float | None) -> ValueLossOut:
     """PPO's clipped value loss: the critic may move at most `clip` from its old prediction.
 
-        v_clip_t = old_values_t + clamp(values_t - old_values_t, -clip, clip)
+        v_clip_t = clamp(values_t, old_values_t - clip, old_values_t + clip)
         L_t      = 0.5 * max((values_t - R_t)^2, (v_clip_t - R_t)^2)
         L_t      = 0.5 * (values_t - R_t)^2                            if clip is None
 
     Like the policy clip, the max is pessimistic: the clipped branch only wins when the new
-    value moved past the clip range, and there its gradient is 0.
+    value moved past the clip range, and there its gradient is 0. The clip bounds `values`
+    itself (as verl's `clip_by_value` does), not old + clamp(values - old): in floating point
+    old + (values - old) is not always `values`, and that rounding flagged ~0.5 % of in-range
+    tokens as clipped. Here an in-range value is returned unchanged, so its two terms are equal
+    and it is never flagged.
 
     Args:
         values: (B, T) current critic predictions (grad).
@@ -330,7 +334,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         per_token = 0.5 * unclipped
         clip_flags = torch.zeros_like(m)
     else:
-        v_clip = old + (v - old).clamp(-clip, clip)
+        # Tensor bounds: clamp's gradient is 1 on [old - clip, old + clip], ends included.
+        v_clip = v.clamp(old - clip, old + clip)
         clipped = (v_clip - ret) ** 2
         per_token = 0.5 * torch.maximum(unclipped, clipped)
         clip_flags = clipped > unclipped

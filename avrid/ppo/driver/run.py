@@ -115,17 +115,18 @@ class RunSummary:
     already_complete: bool = False
     """True: a resume found the run at train.steps already, so nothing was started."""
 
-    def finished_line(self, algo: str) -> str:
+    def finished_line(self, algo: str, *, lora: bool = False) -> str:
         """The line `avrid ppo` ends a run with: its time, the validation reward before and
         after, the last step's policy loss (`actor/pg_loss`) and overlong penalty (when
-        `algo.overlong_buffer` is on), and where the outputs are."""
+        `algo.overlong_buffer` is on), and where the outputs are (a `lora` run's policy is
+        in `export/merged/`, beside its adapter)."""
         last = {k: v for row in self.rows for k, v in row.items() if v is not None}
         shown = [f"{name} {last[key]:.4g}" for key, name in FINAL_METRICS.items() if key in last]
         return (f"{algo} finished in {self.seconds:.0f} s; validation reward "
                 f"{self.initial_val_reward:.3f} -> {self.final_val_reward:.3f}; "
                 + (f"last step: {', '.join(shown)}; " if shown else "")
                 + f"outputs in {self.out_dir}/ (the policy in Hugging Face format: "
-                f"{self.out_dir}/export/)")
+                f"{self.out_dir}/export/{'merged/' if lora else ''})")
 
 
 def train(config: PPOConfig, *, log: Callable[[str], None] | None = None,

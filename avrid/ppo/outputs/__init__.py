@@ -11,8 +11,8 @@ Read in this order:
 7. plots.py       reward and per-phase time curves
 8. export.py      a checkpoint as a Hugging Face model directory vLLM or transformers loads
 9. export_dest.py  where an export may go: never over a run, never over the user's own files
-10. export_lora.py  a LoRA run's export: the adapters merged onto the rebuilt base, and the
-                    adapter as a PEFT directory
+10. export_lora.py  a LoRA run's export: the rebuilt base, the adapters merged onto it, and
+                    the adapter as a PEFT directory that names that base
 
 No Ray here, and nothing here trains: `driver/run.py` decides what to write and when.
 """

@@ -11,11 +11,32 @@ read any model on the Hub::
       tokenizer files          only for a Hugging Face tokenizer (saved from its local directory)
       avrid_tokenizer.json     only for the char tokenizer: its alphabet and id -> token table
 
-Load it with ``AutoModelForCausalLM.from_pretrained(dest)``; serve it with
-``vllm.LLM(model=dest)``, or ``vllm.LLM(model=dest, skip_tokenizer_init=True)`` (token ids in
-and out) when there are no tokenizer files. The char tokenizer is not a Hugging Face tokenizer,
-so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and decode with
-``avrid.ppo.setup.tokenizer.load_tokenizer("char:" + alphabet)``, or by its ``id_to_token`` table.
+A LoRA run's export is three folders side by side, so that nothing in it leads the adapter
+onto the merged model (that adds (alpha / r) B A twice: it is what loading ``dest/adapter``
+onto ``dest`` did when the merged model sat at the top, with the adapter inside it)::
+
+    dest/
+      merged/    the policy with the adapters merged in, laid out as above (with ``merged``,
+                 and in a run's own export/)
+      adapter/   the PEFT adapter: adapter_config.json (its ``base_model_name_or_path`` is
+                 the absolute path of base/, or of the run's model.path) and
+                 adapter_model.safetensors
+      base/      the base the adapter goes onto, laid out as above: a tiny model's (built
+                 from the run's seed, on no disk) is written here; a pretrained run's base
+                 is its own ``model.path`` checkpoint, recorded, not copied (a second copy of
+                 a large model for an export that already holds the merged one)
+
+``AutoPeftModelForCausalLM.from_pretrained(dest / "adapter")`` loads the base it names and
+the adapter; so does ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+dest / "adapter")``. A moved export keeps working with the second form (the path recorded
+is absolute: pass the moved base/ yourself).
+
+Load it (a LoRA run's: ``dest/merged``) with ``AutoModelForCausalLM.from_pretrained(dest)``;
+serve it with ``vllm.LLM(model=dest)``, or ``vllm.LLM(model=dest, skip_tokenizer_init=True)``
+(token ids in and out) when there are no tokenizer files. The char tokenizer is not a Hugging
+Face tokenizer, so nothing can load it by name: read ``alphabet`` from avrid_tokenizer.json and
+decode with ``avrid.ppo.setup.tokenizer.load_tokenizer("char:" + alphabet)``, or by its
+``id_to_token`` table.
 
 Where the architecture comes from: a tiny model (``model.path`` unset) is rebuilt from the saved
 config (`models.tiny_spec`, `models.tiny_config`) and the tokenizer's vocabulary size and
@@ -57,9 +78,16 @@ from avrid.ppo.outputs.export_dest import (
     ADAPTER_CONFIG,
     ADAPTER_DIR,
     ADAPTER_WEIGHTS,
+    BASE_DIR,
+    MERGED_DIR,
     check_export_dest,
 )
-from avrid.ppo.outputs.export_lora import adapter_files, is_lora_checkpoint, merged_policy
+from avrid.ppo.outputs.export_lora import (
+    adapter_files,
+    base_policy,
+    is_lora_checkpoint,
+    merged_policy,
+)
 from avrid.ppo.outputs.outdir import fsync_dir, move_into_place, write_file  # as checkpoints
 from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.setup.config import PPOConfig
@@ -132,9 +160,10 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
                       overwrite: bool = False, merged: bool = True) -> Exported:
     """Export the policy of a checkpoint (see `resolve_checkpoint`) to `dest`, atomically.
 
-    A LoRA checkpoint gives a PEFT adapter directory (``dest/adapter``) beside the base's
-    config and tokenizer, and with `merged` also the merged model (``model.safetensors``:
-    the rebuilt base with the adapters merged in). Any other checkpoint gives the model.
+    A LoRA checkpoint gives a PEFT adapter directory (``dest/adapter``) and the base it goes
+    onto (``dest/base``, or the run's ``model.path`` recorded in the adapter's config), and
+    with `merged` also the merged model (``dest/merged``: the rebuilt base with the adapters
+    merged in); see the module docstring. Any other checkpoint gives the model in `dest`.
 
     Raises:
         ExportDestError: (a FileExistsError) `dest` is, contains or lies inside the source
@@ -145,7 +174,7 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
     """
     step_dir = resolve_checkpoint(source)
     # Before anything is read: a destination over the run (or the user's files) is refused.
-    check_export_dest(Path(dest), step_dir, overwrite=overwrite)
+    target = check_export_dest(Path(dest), step_dir, overwrite=overwrite)
     ckpt = load_checkpoint(step_dir, models=("actor",), training_state=False)
     if "config" not in ckpt.state:
         raise ValueError(f"{step_dir / 'state.json'} has no 'config': not written by "
@@ -153,13 +182,18 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
     tokenizer = ckpt.state.get("tokenizer") or _rebuilt_tokenizer_record(ckpt.state["config"])
     weights = (read_model_weights(ckpt.sharded["actor"]) if "actor" in ckpt.sharded
                else ckpt.weights["actor"])
-    adapter = None
+    adapter = base = None
     if is_lora_checkpoint(weights):  # adapters only: kept, and merged onto the rebuilt base
         cfg = _ppo_config(ckpt.state["config"])
-        adapter = adapter_files(cfg, weights)
-        weights = merged_policy(cfg, tokenizer, weights) if merged else None
+        base = base_policy(cfg, tokenizer)
+        # The adapter names its base by an absolute path: `avrid export` may run elsewhere.
+        pretrained = cfg.model.path
+        base_path = os.path.abspath(pretrained) if pretrained else str(target / BASE_DIR)
+        adapter = adapter_files(cfg, weights, base_path=base_path)
+        weights = merged_policy(cfg, base, weights) if merged else None
+        base = None if pretrained else base  # on disk already: recorded, not copied
     out = export_policy(dest, weights, config=ckpt.state["config"], tokenizer=tokenizer,
-                        overwrite=overwrite, source=step_dir, adapter=adapter)
+                        overwrite=overwrite, source=step_dir, adapter=adapter, base=base)
     return Exported(dest=out, checkpoint=step_dir, step=ckpt.step,
                     files=tuple(sorted(p.name for p in out.iterdir())))
 
@@ -167,13 +201,15 @@ def export_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[st
 def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tensor] | None, *,
                   config: Mapping[str, Mapping[str, Any]], tokenizer: Mapping[str, Any],
                   overwrite: bool = False, source: Path | None = None,
-                  adapter: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None) -> Path:
-    """Write `weights` (the actor's full state dict, HF names) as a Hugging Face model.
+                  adapter: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None,
+                  base: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write `weights` (the actor's full state dict, HF names) as a Hugging Face model, or a
+    LoRA run's merged model, adapter and base in their three folders (module docstring).
 
     Args:
         dest: the export directory; must not exist or be empty unless `overwrite`.
-        weights: parameter name -> tensor, as `Trainer.state` gathers them; None (with an
-            `adapter`): no model file, the adapter and the base's config only.
+        weights: parameter name -> tensor, as `Trainer.state` gathers them; with an
+            `adapter`, the merged model's (written to ``dest/merged``), or None for none.
         config: the run's config as `config_file.config_to_dict` makes it (state.json's "config").
         tokenizer: a `tokenizer_record`.
         overwrite: replace an earlier export in `dest` (the old one is removed only once the
@@ -181,7 +217,10 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
         source: the checkpoint step directory the weights come from, if any: `dest` may not
             be, contain or lie inside its run (`export_dest.check_export_dest`).
         adapter: a LoRA run's (adapter_config, tensors) (`export_lora.adapter_files`),
-            written as a PEFT adapter directory `dest/adapter` beside the merged model.
+            written as a PEFT adapter directory ``dest/adapter``; its config's
+            ``base_model_name_or_path`` should name ``dest/base`` or the run's model.path.
+        base: with an `adapter`, the base model's weights (`export_lora.base_policy`),
+            written as a model to ``dest/base``; None where the base is on disk already.
 
     Returns:
         `dest` as a Path.
@@ -192,11 +231,14 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
     """
     if weights is None and adapter is None:
         raise ValueError("nothing to export: no weights and no adapter")
+    if base is not None and adapter is None:
+        raise ValueError("a base model is exported only beside a LoRA adapter")
     dest = check_export_dest(Path(dest), source, overwrite=overwrite)
     model = config["model"]
     dtype = getattr(torch, model["dtype"])
     hf_config = _hf_config(config, tokenizer)
     tensors = None if weights is None else _weights_for(hf_config, weights, dtype)
+    base_tensors = None if base is None else _weights_for(hf_config, base, dtype)
     hf_config.dtype = dtype
     text = hf_config.to_dict()
     # Transformers 5 writes "dtype", 4.x (and older vLLM) read "torch_dtype": give both.
@@ -208,27 +250,40 @@ def export_policy(dest: str | os.PathLike[str], weights: Mapping[str, torch.Tens
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
     try:
-        write_file(tmp / "config.json",
-                    lambda p: p.write_text(json.dumps(text, indent=2, sort_keys=True) + "\n"))
-        if tensors is not None:
-            write_file(tmp / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
-                                                                metadata={"format": "pt"}))
-        write_file(tmp / "generation_config.json", lambda p: gen.to_json_file(p))
-        _write_tokenizer(tmp, tokenizer)
-        if adapter is not None:
+        if adapter is None:
+            _write_model(tmp, text, tensors, gen, tokenizer)
+        else:  # three folders: the adapter sits beside the merged model, never inside it
+            if tensors is not None:
+                _write_model(tmp / MERGED_DIR, text, tensors, gen, tokenizer)
             _write_adapter(tmp / ADAPTER_DIR, *adapter)
+            if base_tensors is not None:
+                _write_model(tmp / BASE_DIR, text, base_tensors, gen, tokenizer)
         # mkdtemp (and safetensors, for its file) make owner-only entries; a served model is
         # often read by another user or container.
-        for p in [*tmp.iterdir(), *(tmp / ADAPTER_DIR).glob("*")]:
+        for p in tmp.rglob("*"):
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
         os.chmod(tmp, 0o755)
-        fsync_dir(tmp)
+        for folder in [*(p for p in tmp.iterdir() if p.is_dir()), tmp]:
+            fsync_dir(folder)
         move_into_place(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _write_model(directory: Path, text: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
+                 gen: GenerationConfig, tokenizer: Mapping[str, Any]) -> None:
+    """One Hugging Face model directory: config, weights, generation config, tokenizer."""
+    directory.mkdir(exist_ok=True)
+    write_file(directory / "config.json",
+               lambda p: p.write_text(json.dumps(text, indent=2, sort_keys=True) + "\n"))
+    if tensors is not None:
+        write_file(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p),
+                                                                  metadata={"format": "pt"}))
+    write_file(directory / "generation_config.json", lambda p: gen.to_json_file(p))
+    _write_tokenizer(directory, tokenizer)
 
 
 def _write_adapter(directory: Path, config: dict[str, Any],

@@ -13,8 +13,10 @@ these before anything is read or written, naming the destination and the reason:
   ``export/`` (`RUN_EXPORT`), where ``avrid ppo`` publishes its final policy;
 - DEST exists, is not empty, and `overwrite` was not given;
 - DEST exists, is not empty, and is not an earlier export (``config.json`` and
-  ``model.safetensors`` with no sub-directory): ``--overwrite`` replaces an export, never a
-  folder of anything else, since avrid deletes nothing it did not create.
+  ``model.safetensors`` with no sub-directory; a LoRA run's ``adapter/`` with ``merged/`` and
+  ``base/`` models beside it, or the earlier LoRA layout, the merged model with ``adapter/``
+  inside): ``--overwrite`` replaces an export, never a folder of anything else, since avrid
+  deletes nothing it did not create.
 
 Paths are compared after resolving symlinks and ``..``, so ``.``, a relative path and a
 symlink to the run are caught alike.
@@ -32,13 +34,15 @@ from avrid.ppo.outputs.outdir import LOCK_FILE
 RUN_EXPORT = "export"
 """The sub-directory of a run where ``avrid ppo`` writes its final policy."""
 EXPORT_MARKERS = ("config.json", "model.safetensors")
-"""Files an export holds; a LoRA export without the merged model has its adapter/ instead of
-model.safetensors."""
+"""Files a model export holds (and each model folder of a LoRA run's export)."""
 ADAPTER_DIR, ADAPTER_CONFIG, ADAPTER_WEIGHTS = (
     "adapter", "adapter_config.json", "adapter_model.safetensors")
-"""A LoRA run's export also holds its PEFT adapter directory (`export_lora.py`)."""
+"""A LoRA run's export holds its PEFT adapter directory (`export_lora.py`)."""
 ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS})
-"""Files every export holds: a non-empty directory without them is not one."""
+"""The files of the adapter directory, and nothing else."""
+MERGED_DIR, BASE_DIR = "merged", "base"
+"""A LoRA run's export: the merged model and the base the adapter goes onto, each a model
+folder beside ``adapter/`` (`export.py`)."""
 
 
 class ExportDestError(FileExistsError, ValueError):
@@ -125,20 +129,32 @@ def check_export_dest(dest: Path, step_dir: Path | None, *, overwrite: bool) -> 
         if not _looks_like_export(target):
             raise ExportDestError(
                 f"export destination {dest} is not an earlier export (an export holds "
-                f"{EXPORT_MARKERS[0]} with {EXPORT_MARKERS[1]} or a LoRA {ADAPTER_DIR}/, and "
-                f"no other folder); "
-                f"--overwrite replaces only "
-                f"an export, never other files: choose a new or empty directory")
+                f"{EXPORT_MARKERS[0]} with {EXPORT_MARKERS[1]}, or a LoRA run's "
+                f"{ADAPTER_DIR}/ with {MERGED_DIR}/ and {BASE_DIR}/, and no other folder); "
+                f"--overwrite replaces only an export, never other files: choose a new or "
+                f"empty directory")
     return target
 
 
 def _looks_like_export(path: Path) -> bool:
-    entries = list(path.iterdir())
-    names = {p.name for p in entries}
-    # The one folder an export may hold: a LoRA run's PEFT adapter (`export_lora.py`), with
-    # nothing in it but the adapter's two files.
-    folders = [p for p in entries if p.is_dir()]
+    """A model export, a LoRA run's (adapter/ with merged/ and base/ beside it), or a LoRA
+    run's from before that layout (the merged model, or its config only, with adapter/)."""
+    names = {p.name for p in path.iterdir()}
+    if names and names <= {ADAPTER_DIR, MERGED_DIR, BASE_DIR} and ADAPTER_DIR in names:
+        return _is_adapter(path / ADAPTER_DIR) and all(
+            _is_model(path / n) for n in names - {ADAPTER_DIR})
+    folders = {p.name for p in path.iterdir() if p.is_dir()}
     model, adapter = EXPORT_MARKERS[1], ADAPTER_DIR
-    return EXPORT_MARKERS[0] in names and (model in names or adapter in names) and all(
-        p.name == ADAPTER_DIR and {q.name for q in p.iterdir()} <= ADAPTER_FILES
-        and not any(q.is_dir() for q in p.iterdir()) for p in folders)
+    return EXPORT_MARKERS[0] in names and (model in names or adapter in names) and (
+        folders <= {ADAPTER_DIR} and (not folders or _is_adapter(path / ADAPTER_DIR)))
+
+
+def _is_adapter(path: Path) -> bool:
+    """A folder holding nothing but the PEFT adapter's two files."""
+    return path.is_dir() and all(q.name in ADAPTER_FILES and q.is_file() for q in path.iterdir())
+
+
+def _is_model(path: Path) -> bool:
+    """A model folder an export writes: its config and weights, no sub-folder."""
+    names = {q.name for q in path.iterdir()} if path.is_dir() else set()
+    return set(EXPORT_MARKERS) <= names and not any(q.is_dir() for q in path.iterdir())
