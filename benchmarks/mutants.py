@@ -182,7 +182,7 @@ SITES: tuple[Site, ...] = (
     site("pg_log_ratio_clamp", LOSSES,
          "log_ratio = (lp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)",
          "log_ratio = lp - old", MATH + (LOSSES,)),
-    site("vl_clip", LOSSES, "v_clip = old + (v - old).clamp(-clip, clip)", "v_clip = v",
+    site("vl_clip", LOSSES, "v_clip = v.clamp(old - clip, old + clip)", "v_clip = v",
          MATH + (LOSSES,)),
     site("vl_pessimistic", LOSSES, "per_token = 0.5 * torch.maximum(unclipped, clipped)",
          "per_token = 0.5 * torch.minimum(unclipped, clipped)", MATH + (LOSSES,)),
