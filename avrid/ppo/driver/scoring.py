@@ -1,0 +1,71 @@
+"""Chapter 5 — a step's scores: the rule reward and, with `reward_model.path`, the reward model.
+
+The trainer's `score` hands a generated batch to this `Scorer`, which runs up to two phases,
+each one dispatch and one canonical result, each its own bar on the timeline:
+
+    reward        the rule reward worker (`roles/reward.py`): the task's reward, or the
+                  weighted `task.reward`/`task.rewards` functions -> "rule_score"
+    reward_model  the reward model's ranks (`roles/reward_model.py`), the batch split over
+                  them by chapter 2's token-aware planner -> "model_score"
+
+and combines them (`reward_model.py` in setup explains the weights):
+
+    score = rule_weight x rule_score + weight x model_score
+
+Without a reward model the score is the rule reward itself, untouched (same-seed metrics do
+not move); with ``rule_weight=0`` the rule reward is not computed at all. This file knows
+nothing of steps, advantages or validation: it scores a batch and returns the calls made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+from avrid.dispatch import Batch, DispatchConfig
+from avrid.ppo.data.columns import add_columns
+from avrid.ppo.roles.reward import SCORE_READS, RewardWorker
+from avrid.ppo.roles.reward_model import RewardModelWorker
+from avrid.ppo.setup.reward_model import RewardModelConfig
+from avrid.results import Merged, run_shards
+from avrid.workers import WorkerGroup
+
+Phase = Callable[[str], AbstractContextManager[None]]
+"""What times a named phase (the step's `Phases`); `score` without it times nothing."""
+
+
+class Scorer:
+    """Scores batches with the rule reward group and, when there is one, the reward model's."""
+
+    def __init__(self, config: RewardModelConfig, reward: WorkerGroup,
+                 model: WorkerGroup | None) -> None:
+        if config.enabled and model is None:
+            raise ValueError("reward_model.path is set but no reward_model group was started")
+        self.config = config
+        self.reward = reward
+        self.model = model
+        # Each rank's forwards are cut by its own tokenizer's lengths (`padded_micro_batches`);
+        # the plan balances the policy's token counts over the ranks, a proxy for the RM's.
+        self.dispatch = DispatchConfig(micro_batch_tokens=config.micro_batch_tokens)
+
+    def score(self, batch: Batch, phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
+        """`batch` with its "score" column (and "model_score" with a reward model), and the
+        calls that made them, in the order they ran."""
+        rm, phase = self.config, phase or (lambda name: nullcontext())
+        calls: list[Merged] = []
+        rule = None
+        if not rm.enabled or rm.rule_weight != 0:
+            with phase("reward"):
+                calls.append(run_shards(self.reward, RewardWorker.score,
+                                        batch.only(*SCORE_READS)))
+            rule = calls[-1].batch.scalars["score"]
+            if not rm.enabled:  # the rule reward alone, as it is
+                return add_columns(batch, scalars={"score": rule}), calls
+        with phase("reward_model"):
+            calls.append(run_shards(self.model, RewardModelWorker.score,
+                                    batch.only(*SCORE_READS), self.dispatch))
+        model = calls[-1].batch.scalars["model_score"]
+        score = rm.weight * model
+        if rule is not None:
+            score = rm.rule_weight * rule + score
+        return add_columns(batch, scalars={"score": score, "model_score": model}), calls
