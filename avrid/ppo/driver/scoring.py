@@ -1,6 +1,6 @@
 """Chapter 5 — a step's scores: the rule reward and, with `reward_model.path`, the reward model.
 
-The trainer's `score` hands a generated batch to this `Scorer`, which runs up to two phases,
+The trainer's `score` hands a generated batch to `score_batch`, which runs up to two phases,
 each one dispatch and one canonical result, each its own bar on the timeline:
 
     reward        the rule reward worker (`roles/reward.py`): the task's reward, or the
@@ -34,38 +34,31 @@ Phase = Callable[[str], AbstractContextManager[None]]
 """What times a named phase (the step's `Phases`); `score` without it times nothing."""
 
 
-class Scorer:
-    """Scores batches with the rule reward group and, when there is one, the reward model's."""
-
-    def __init__(self, config: RewardModelConfig, reward: WorkerGroup,
-                 model: WorkerGroup | None) -> None:
-        if config.enabled and model is None:
-            raise ValueError("reward_model.path is set but no reward_model group was started")
-        self.config = config
-        self.reward = reward
-        self.model = model
-        # Each rank's forwards are cut by its own tokenizer's lengths (`padded_micro_batches`);
-        # the plan balances the policy's token counts over the ranks, a proxy for the RM's.
-        self.dispatch = DispatchConfig(micro_batch_tokens=config.micro_batch_tokens)
-
-    def score(self, batch: Batch, phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
-        """`batch` with its "score" column (and "model_score" with a reward model), and the
-        calls that made them, in the order they ran."""
-        rm, phase = self.config, phase or (lambda name: nullcontext())
-        calls: list[Merged] = []
-        rule = None
-        if not rm.enabled or rm.rule_weight != 0:
-            with phase("reward"):
-                calls.append(run_shards(self.reward, RewardWorker.score,
-                                        batch.only(*SCORE_READS)))
-            rule = calls[-1].batch.scalars["score"]
-            if not rm.enabled:  # the rule reward alone, as it is
-                return add_columns(batch, scalars={"score": rule}), calls
-        with phase("reward_model"):
-            calls.append(run_shards(self.model, RewardModelWorker.score,
-                                    batch.only(*SCORE_READS), self.dispatch))
-        model = calls[-1].batch.scalars["model_score"]
-        score = rm.weight * model
-        if rule is not None:
-            score = rm.rule_weight * rule + score
-        return add_columns(batch, scalars={"score": score, "model_score": model}), calls
+def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
+                model: WorkerGroup | None,
+                phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
+    """`batch` with its "score" column (and "model_score" with a reward model), and the
+    calls that made them, in the order they ran: `reward` is the rule reward's group,
+    `model` the reward model's (None without one)."""
+    phase = phase or (lambda name: nullcontext())
+    calls: list[Merged] = []
+    rule = None
+    if not config.enabled or config.rule_weight != 0:
+        with phase("reward"):
+            calls.append(run_shards(reward, RewardWorker.score, batch.only(*SCORE_READS)))
+        rule = calls[-1].batch.scalars["score"]
+        if not config.enabled:  # the rule reward alone, as it is
+            return add_columns(batch, scalars={"score": rule}), calls
+    if model is None:
+        raise ValueError("reward_model.path is set but no reward_model group was started")
+    # Each rank cuts its forwards by its own tokenizer's lengths (`padded_micro_batches`);
+    # the plan balances the policy's token counts over the ranks, a proxy for the RM's.
+    dispatch = DispatchConfig(micro_batch_tokens=config.micro_batch_tokens)
+    with phase("reward_model"):
+        calls.append(run_shards(model, RewardModelWorker.score, batch.only(*SCORE_READS),
+                                dispatch))
+    model_score = calls[-1].batch.scalars["model_score"]
+    score = config.weight * model_score
+    if rule is not None:
+        score = config.rule_weight * rule + score
+    return add_columns(batch, scalars={"score": score, "model_score": model_score}), calls

@@ -47,7 +47,7 @@ from avrid.ppo.data.prompts import (
     step_indices,
 )
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
-from avrid.ppo.driver.scoring import Phase, Scorer
+from avrid.ppo.driver.scoring import Phase, score_batch
 from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
@@ -146,8 +146,7 @@ class Trainer:
         self.cluster = backend.launch(plan)
         self.policy = self.cluster.group("policy", self.policy_worker)
         self.reward = self.cluster.group("reward", RewardWorker)
-        self.scorer = Scorer(self.config.reward_model, self.reward,
-                             self.cluster.group("reward_model", RewardModelWorker)
+        self.reward_model = (self.cluster.group("reward_model", RewardModelWorker)
                              if self.config.reward_model.enabled else None)
         self.critic = (self.cluster.group("critic", CriticWorker)
                        if self.config.algo.uses_critic else None)
@@ -312,7 +311,8 @@ class Trainer:
     def score(self, batch: Batch, phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
         """`batch` scored (its "score" column: the rule reward, combined with the reward
         model's with `reward_model.path`), and the calls made, each timed by `phase`."""
-        return self.scorer.score(batch, phase)
+        return score_batch(batch, config=self.config.reward_model, reward=self.reward,
+                           model=self.reward_model, phase=phase)
 
     def fill(self, step: int, batch: Batch) -> tuple[Batch, list[Merged], FillStats]:
         """Dynamic sampling (`data/dynamic_sampling.py`): the step's scored batch, its
