@@ -196,3 +196,38 @@ def test_a_checkpoint_that_is_no_reward_model_is_refused(tmp_path: Path, kwargs:
     assert message in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="no local directory"):
         Trainer(with_overrides(config, [f"reward_model.path={tmp_path / 'nothing'}"]))
+
+
+def test_estimate_memory_counts_the_reward_model_where_it_is_placed(
+        tmp_path: Path, rm_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from avrid.cli import main
+    from avrid.ppo.setup.memory_estimate import estimate
+
+    main(["ppo", "--preset", "tiny-ppo", "--set", f"reward_model.path={rm_path}",
+          "--estimate-memory"])
+    out = capsys.readouterr().out
+    assert "reward model (pool):" in out and "per rank (placement.device=cpu: host memory): " \
+        "reward_model rank (one of 1)" in out
+    wide = save_reward_model(tmp_path / "wide", hidden=64)
+    rm_bytes = {}
+    for path in (rm_path, wide):
+        config = with_overrides(preset("tiny-ppo"), [f"reward_model.path={path}",
+                                                     "reward_model.placement=policy"])
+        est = estimate(config)
+        # Resident in every phase of the policy's rank; its own phase adds a forward.
+        assert all(p.parts["rm"] > 0 for p in est.phases if p.gpu == "policy")
+        own = next(p for p in est.phases if p.name == "reward model")
+        assert own.gpu == "policy" and own.parts["activ"] > 0
+        rm_bytes[path] = own.parts["rm"]
+    # fp32 on CPU: 4 bytes per parameter of the trunk and the one-output head.
+    small = sum(p.numel() for p in transformers_model(rm_path).parameters())
+    assert rm_bytes[rm_path] == pytest.approx(4 * small, rel=0.02)
+    assert rm_bytes[wide] > 2 * rm_bytes[rm_path]
+    assert "rm" not in estimate(preset("tiny-ppo")).phases[0].parts or \
+        estimate(preset("tiny-ppo")).phases[0].parts["rm"] == 0
+
+
+def transformers_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path)

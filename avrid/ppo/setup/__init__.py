@@ -32,6 +32,8 @@ Read in this order:
 25. memory_report.py      ``--estimate-memory``'s table, its verdict and a layout that fits
 26. reward_model.py       its `reward_model` section: a learned reward model, its weights and
                          placement; `check_checkpoint` reads its config.json
+27. memory_reward_model.py  a reward model's weights and forward on the GPU its placement
+                         names (``--estimate-memory``)
 
 Pure: nothing here imports Ray, and nothing starts a process or loads a model.
 """
