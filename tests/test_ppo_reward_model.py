@@ -231,3 +231,22 @@ def transformers_model(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
     return AutoModelForSequenceClassification.from_pretrained(path)
+
+
+@pytest.mark.slow
+def test_on_ray_a_pool_of_two_ranks_scores_as_transformers(tmp_path: Path, rm_path: Path,
+                                                           ray_cluster: None) -> None:
+    # OpenRLHF's layout on Ray: two reward model ranks in bundles of their own; the batch is
+    # split over them by the token-aware plan and merged back in order. (The colocated
+    # layouts' bundles: `test_each_placement_puts_the_reward_model_where_it_says`.)
+    config = tiny(tmp_path, "placement.backend=ray", f"reward_model.path={rm_path}",
+                  "reward_model.placement=pool", "reward_model.dp=2")
+    with Trainer(config) as trainer:
+        trainer.start()
+        assert trainer.reward_model.world_size == 2
+        metrics, batch = trainer.train_step(0)
+        rows = decoded(trainer, batch)
+        expected = transformers_scores(rm_path, [p.text + r for p, r in rows])
+        assert (batch.scalars["model_score"] - expected).abs().max() < 1e-5
+        ranks = {lane.label for lane in trainer.timeline.lanes if lane.group == "reward_model"}
+        assert len(ranks) == 2 and "actor/pg_loss" in metrics
