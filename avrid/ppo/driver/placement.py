@@ -22,6 +22,9 @@ This file only describes placement (chapter 1's `RoleSpec`s); the backend starts
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.roles.reward import RewardWorker
@@ -80,7 +83,9 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
     roles.append(reward)
     rm = config.reward_model
     if rm.enabled:
-        # Its ranks read rows as the rule reward does: the same task and policy tokenizer.
+        # Its ranks read rows as the rule reward does: the same task and policy tokenizer;
+        # the path made absolute here, where the user's directory is the current one.
+        rm = dataclasses.replace(rm, path=str(Path(rm.path).resolve()))
         kwargs = {"config": rm, "device": p.device, "reader": dict(reward.init_kwargs)}
         if rm.placement == "pool":
             pools.append(ResourcePool.uniform("reward_model", rm.dp, cpus=p.cpus_per_worker,
