@@ -18,6 +18,7 @@ from avrid.ppo.roles.reward_model import RewardModelWorker, padded_micro_batches
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
+from avrid.ppo.setup.reward_functions import Sample
 from avrid.ppo.setup.reward_model import RewardModelConfig
 from avrid.ppo.setup.task import Prompt
 from avrid.ppo.setup.tokenizer import response_text
@@ -250,3 +251,35 @@ def test_on_ray_a_pool_of_two_ranks_scores_as_transformers(tmp_path: Path, rm_pa
         assert (batch.scalars["model_score"] - expected).abs().max() < 1e-5
         ranks = {lane.label for lane in trainer.timeline.lanes if lane.group == "reward_model"}
         assert len(ranks) == 2 and "actor/pg_loss" in metrics
+
+
+def test_a_reward_model_beside_a_multi_turn_task_is_refused(rm_path: Path) -> None:
+    from avrid.agents.trainer import AgentTrainer
+
+    config = with_overrides(preset("tiny-agent"), [
+        "placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1",
+        f"reward_model.path={rm_path}"])
+    with pytest.raises(ValueError, match="a reward model would never be called; drop "
+                                         "reward_model.path"):
+        AgentTrainer(config)
+
+
+def test_a_chat_template_builds_the_user_and_assistant_turns(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    path = save_reward_model(tmp_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }} "
+                         "{% endfor %}")
+    tok.save_pretrained(str(path))
+    config = RewardModelConfig(path=str(path), chat_template=True)
+    worker = RewardModelWorker(WorkerIdentity(role="reward_model", rank=0, world_size=1),
+                               config=config, device="cpu",
+                               reader={"task_name": "digits", "task_options": {},
+                                       "task_path": None, "tokenizer": None})
+    sample = Sample(sample_id=0, prompt=Prompt(index=0, text="12=", answer="21"),
+                    response="21")
+    (text,) = worker.texts([sample])
+    assert text == "u:12= a:21 "
+    # The template holds its special tokens: none added (no BOS here, unlike a plain text).
+    assert worker.encode([text])[0] == tok(text, add_special_tokens=False)["input_ids"]
