@@ -283,3 +283,25 @@ def test_a_chat_template_builds_the_user_and_assistant_turns(tmp_path: Path) -> 
     assert text == "u:12= a:21 "
     # The template holds its special tokens: none added (no BOS here, unlike a plain text).
     assert worker.encode([text])[0] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.gpu(count=1, duration_s=60, memory_gb=2)
+def test_on_a_gpu_the_reward_model_runs_in_bf16_as_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = save_reward_model(tmp_path)
+    worker = RewardModelWorker(WorkerIdentity(role="reward_model", rank=0, world_size=1),
+                               config=RewardModelConfig(path=str(path), micro_batch_tokens=40),
+                               device="cuda", reader={"task_name": "digits",
+                                                      "task_options": {}, "task_path": None,
+                                                      "tokenizer": None})
+    assert next(worker.model.parameters()).dtype == torch.bfloat16  # the default on a GPU
+    texts = ["12=21", "7=", "123456=654321 abc", "99=99 9"]
+    ours = worker.forward(worker.encode(texts))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        theirs = torch.stack([model(**tok(t, return_tensors="pt").to("cuda")).logits[0, 0]
+                              for t in texts]).float().cpu()
+    assert ours.device.type == "cpu" and (ours - theirs).abs().max() < 2e-2
