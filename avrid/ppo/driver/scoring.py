@@ -51,9 +51,10 @@ def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
             return add_columns(batch, scalars={"score": rule}), calls
     if model is None:
         raise ValueError("reward_model.path is set but no reward_model group was started")
-    # Each rank cuts its forwards by its own tokenizer's lengths (`padded_micro_batches`);
-    # the plan balances the policy's token counts over the ranks, a proxy for the RM's.
-    dispatch = DispatchConfig(micro_batch_tokens=config.micro_batch_tokens)
+    # The plan balances the policy's token counts over the ranks (Karmarkar-Karp), a proxy
+    # for the RM's; it cuts no micro-batches: each rank cuts its forwards by its own
+    # tokenizer's lengths (`padded_micro_batches`), which only it knows.
+    dispatch = DispatchConfig()
     with phase("reward_model"):
         calls.append(run_shards(model, RewardModelWorker.score, batch.only(*SCORE_READS),
                                 dispatch))
