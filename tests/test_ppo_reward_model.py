@@ -98,6 +98,30 @@ def test_scores_equal_transformers_on_texts_of_different_lengths(tmp_path: Path,
     assert (ours - transformers_scores(path, texts)).abs().max() < 1e-5
 
 
+def test_a_text_longer_than_the_reward_model_keeps_its_last_tokens(tmp_path: Path,
+                                                                   rm_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    worker = RewardModelWorker(WorkerIdentity(role="reward_model", rank=0, world_size=1),
+                               config=RewardModelConfig(path=str(rm_path)), device="cpu",
+                               reader={"task_name": "digits", "task_options": {},
+                                       "task_path": None, "tokenizer": None})
+    assert worker.max_length == 128  # the checkpoint's max_position_embeddings
+    long = "ab" * 100 + "=12"  # 204 tokens with BOS
+    (ids,) = worker.encode([long])
+    assert len(ids) == 128 and ids == worker.tokenize([long])[0][-128:]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids])).logits[0, 0]
+    assert abs(float(worker.forward([ids])[0]) - float(want)) < 1e-5
+    short = RewardModelWorker(WorkerIdentity(role="reward_model", rank=0, world_size=1),
+                              config=RewardModelConfig(path=str(rm_path), max_length=5),
+                              device="cpu", reader={"task_name": "digits", "task_options": {},
+                                                    "task_path": None, "tokenizer": None})
+    assert short.encode(["1234567"]) == [[6, 7, 8, 9, 10]]  # the last five characters
+    assert short.encode(["12"]) == [[1, 4, 5]]  # shorter: untouched, BOS and all
+
+
 def test_padded_micro_batches_respect_the_budget() -> None:
     lengths = [3, 9, 4, 8, 20, 1]
     groups = padded_micro_batches(lengths, 16)

@@ -53,7 +53,11 @@ class RewardModelWorker(Worker):
         self.model = AutoModelForSequenceClassification.from_pretrained(
             config.path, dtype=dtype).to(self.device).eval()
         self.model.requires_grad_(False)
-        self.pad_id: int | None = self.model.config.get_text_config().pad_token_id
+        text_config = self.model.config.get_text_config()
+        self.pad_id: int | None = text_config.pad_token_id
+        self.max_length: int | None = (config.max_length if config.max_length is not None
+                                       else getattr(text_config, "max_position_embeddings",
+                                                    None))
 
     def texts(self, samples: Sequence[Sample]) -> list[str]:
         """The text the reward model reads for each sample (template or chat template)."""
@@ -66,8 +70,18 @@ class RewardModelWorker(Worker):
                 for s in samples]
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text under the reward model's tokenizer. A chat template already
-        holds its special tokens; a plain template gets those the tokenizer adds."""
+        """Token ids of each text under the reward model's tokenizer, each at most
+        `max_length` (a longer text keeps its last tokens: `truncated`)."""
+        return [self.truncated(row) for row in self.tokenize(texts)]
+
+    def truncated(self, row: list[int]) -> list[int]:
+        """`row` cut to its last `max_length` tokens: the score is read at the last token,
+        so the end of the response is kept and the start of the prompt dropped."""
+        return row if self.max_length is None else row[-self.max_length:]
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text under the reward model's tokenizer, whole. A chat template
+        already holds its special tokens; a plain template gets those the tokenizer adds."""
         add = not self.config.chat_template
         ids = [self.tokenizer(t, add_special_tokens=add)["input_ids"] for t in texts]
         for text, row in zip(texts, ids, strict=True):
@@ -83,10 +97,16 @@ class RewardModelWorker(Worker):
         batch = shard.batch
         with builder.span("reward_model"):
             samples = self.reader.samples(batch)
-            ids = self.encode(self.texts(samples))
+            whole = self.tokenize(self.texts(samples))
+            ids = [self.truncated(row) for row in whole]
             scores = self.forward(ids)
         builder.add(batch.sample_ids, scalars={"model_score": scores})
         builder.metric("reward/model_score", scores, "mean_samples")
+        # The share of texts cut to `max_length`: a run whose responses outgrow the reward
+        # model shows it here instead of scoring positions the model never learned.
+        cut = [len(row) < len(full) for row, full in zip(ids, whole, strict=True)]
+        builder.metric("reward/model_truncated", torch.tensor(cut, dtype=torch.float32),
+                       "mean_samples")
         return builder.build()
 
     def forward(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:

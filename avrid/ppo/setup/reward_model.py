@@ -69,6 +69,11 @@ class RewardModelConfig:
     """Ranks of placement="pool" (the colocated placements take one per bundle)."""
     micro_batch_tokens: int = 4096
     """PER RANK token budget of one forward, padding included (speed/memory only)."""
+    max_length: int | None = None
+    """The longest text the reward model reads, in its own tokens; a longer one keeps its
+    LAST max_length tokens (the response's end, where the score is read) and is counted in
+    reward/model_truncated. None = the checkpoint's max_position_embeddings (positions past
+    it are ones the model never learned)."""
     dtype: RmDtype | None = None
     """The reward model's weights and compute; None = bfloat16 on cuda, float32 on cpu."""
 
@@ -81,6 +86,8 @@ class RewardModelConfig:
         if self.dtype is not None:
             one_of("reward_model.dtype", self.dtype, RmDtype, "dtype")
         positive("reward_model", dp=self.dp, micro_batch_tokens=self.micro_batch_tokens)
+        if self.max_length is not None:
+            positive("reward_model", max_length=self.max_length)
         need(self.path is None or bool(self.path), "reward_model.path",
              "must be a local checkpoint directory, or None for no reward model")
         check_template(self.template)
