@@ -17,19 +17,20 @@ Read in this order:
 12. config_file.py  a config as a YAML/JSON file, out and back in (``--print-config``, ``--config``)
 13. task.py         the `Task` contract: prompts, a verifiable reward, `check_reward`
 14. digits.py       the built-in digit task a tiny model learns on a CPU
-15. gsm8k.py        grade-school maths from a local GSM8K file, for real models
-16. catalog.py      `load_task`: a task by name or by ``package.module:factory``
-17. reward_functions.py   your reward function without a class (``task.reward=module:function``)
-18. task_options.py ``--set task.options=key:value,...``, typed by what the task declares
-19. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
-20. memory_shapes.py      a model's shape without loading it (``--estimate-memory``), LoRA's
+15. file_task.py    your data file (``task.name=file``): JSONL, Parquet, a datasets directory
+16. gsm8k.py        grade-school maths from a local GSM8K file (a file task), for real models
+17. catalog.py      `load_task`: a task by name or by ``package.module:factory``
+18. reward_functions.py   your reward function without a class (``task.reward=module:function``)
+19. task_options.py ``--set task.options=key:value,...``, typed by what the task declares
+20. tokenizer.py    the character tokenizer of tiny runs and a local Hugging Face one
+21. memory_shapes.py      a model's shape without loading it (``--estimate-memory``), LoRA's
                          adapter parameters
-21. memory_activations.py the worst micro-batch, and its activations and logits
-22. memory_setup.py       what a GPU holds while `setup` builds and shards the models
-23. memory_pipeline.py    the pipeline modes: rank 0's push buffers, the rollout GPU
-24. memory_estimate.py    the predicted peak bytes of each phase per GPU, by component; the
+22. memory_activations.py the worst micro-batch, and its activations and logits
+23. memory_setup.py       what a GPU holds while `setup` builds and shards the models
+24. memory_pipeline.py    the pipeline modes: rank 0's push buffers, the rollout GPU
+25. memory_estimate.py    the predicted peak bytes of each phase per GPU, by component; the
                          LoRA engine's sleep level
-25. memory_report.py      ``--estimate-memory``'s table, its verdict and a layout that fits
+26. memory_report.py      ``--estimate-memory``'s table, its verdict and a layout that fits
 
 Pure: nothing here imports Ray, and nothing starts a process or loads a model.
 """

@@ -92,9 +92,25 @@ class TaskConfig:
     """Where prompts and rewards come from (see `catalog.load_task`)."""
 
     name: str = "digits"
-    """"digits" (built in), "gsm8k" (needs `path`), or "package.module:factory" (your own)."""
+    """"digits" (built in), "file" (your data file, `path`), "gsm8k" (needs `path`), or
+    "package.module:factory" (your own)."""
     path: str | None = None
-    """Local data file (.jsonl or .parquet) for tasks that read one (gsm8k)."""
+    """Local data for the tasks that read it (file, gsm8k): a .jsonl, .json or .parquet
+    file, or a directory written by datasets' save_to_disk (see setup/file_task.py)."""
+    prompt_key: str | None = None
+    """The prompt's column: text, or a chat of one user message. None: the task's own
+    ("prompt" for file, "question" for gsm8k)."""
+    answer_key: str | None = None
+    """The answer's column; dotted for a nested one (reward_model.ground_truth, verl's
+    format). None: "answer". The row's other columns reach a reward function as metadata."""
+    val_path: str | None = None
+    """A separate validation file (same kinds as `path`); then all of `path` trains."""
+    val_share: float | None = None
+    """Without `val_path`: the share of `path`'s rows held out for validation, drawn with a
+    fixed seed (task.options=seed:N); the splits share no row. None: the task's own (0.1)."""
+    alphabet: str | None = None
+    """The character tokenizer's alphabet (a tiny model, no model.path): every character a
+    prompt or an answer may hold. None: the task's (file: every character of its data)."""
     options: Mapping[str, Any] = field(default_factory=lambda: {"op": "reverse", "length": 3})
     """Extra keyword arguments for the task's constructor/factory. On the command line
     key:value,key:value (task.options=op:sort,length:4; empty for none), each value read as
@@ -116,8 +132,10 @@ class TaskConfig:
     def __post_init__(self) -> None:
         need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
              "'package.module:factory'")
-        need(self.name != "gsm8k" or self.path is not None, "task.path",
-             "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
+        need(self.name not in ("file", "gsm8k") or self.path is not None, "task.path",
+             f"the {self.name} task needs local data: a .jsonl, .parquet or datasets "
+             f"directory (task.path=...)")
+        self._check_data_fields()
         for key, value in dict(self.options).items():
             # Options are saved in every checkpoint's state.json and compared on resume, so
             # they must be plain, finite JSON values (a NaN would only fail at the first save).
@@ -126,6 +144,30 @@ class TaskConfig:
                  f"those, got {value!r}")
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
         self._check_rewards()
+
+    def _check_data_fields(self) -> None:
+        need(self.val_path is None or self.val_share is None, "task.val_share",
+             "set task.val_path (a validation file) or task.val_share (a held-out share of "
+             "task.path), not both")
+        need(self.val_share is None or 0 < self.val_share < 1, "task.val_share",
+             f"must be in (0, 1), got {self.val_share}")
+        for name in ("prompt_key", "answer_key", "alphabet"):
+            need(getattr(self, name) is None or bool(getattr(self, name)), f"task.{name}",
+                 "must not be empty (or null for the task's own)")
+        need(self.alphabet is None or len(set(self.alphabet)) == len(self.alphabet),
+             "task.alphabet", f"repeats a character: {self.alphabet!r}")
+        # Each is a keyword of the task's constructor (`kwargs`): given twice, which wins?
+        twice = sorted(set(self.options) & set(DATA_FIELDS))
+        need(not twice, f"task.options.{twice[0] if twice else ''}",
+             f"is a field of its own; set task.{twice[0] if twice else ''}, not an option")
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """What `catalog.load_task` gets besides the name: `options`, then each of `path`,
+        `prompt_key`, `answer_key`, `val_path` and `val_share` that is set (a task that does
+        not take one fails, naming it)."""
+        return {**self.options, **{name: getattr(self, name) for name in DATA_FIELDS
+                                   if getattr(self, name) is not None}}
 
     def _check_rewards(self) -> None:
         need(self.reward is None or not self.rewards, "task.rewards",
@@ -151,6 +193,10 @@ class TaskConfig:
     def reward_weights(self) -> Mapping[str, float]:
         """The reward functions to use (spec -> weight); empty: the task's own reward."""
         return {self.reward: 1.0} if self.reward is not None else dict(self.rewards)
+
+
+DATA_FIELDS = ("path", "prompt_key", "answer_key", "val_path", "val_share")
+"""The fields of `TaskConfig` passed to the task's constructor as keywords (`kwargs`)."""
 
 
 def _plain_json(value: Any) -> bool:

@@ -278,10 +278,11 @@ def response_text(tokens: list[int], tokenizer: Tokenizer) -> str:
 
 
 def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
-    """The char tokenizer over the task's alphabet for tiny models, else a local one
-    (`validate` has checked that a char tokenizer's task has an alphabet)."""
+    """The char tokenizer for tiny models, over `task.alphabet` where the config sets one,
+    else the task's; else a local one (`validate` has checked that a char tokenizer has an
+    alphabet)."""
     m = config.model
     spec = m.tokenizer or ("char" if m.path is None else m.path)
     if spec == "char":
-        return load_tokenizer(f"char:{task.alphabet}")
+        return load_tokenizer(f"char:{config.task.alphabet or task.alphabet}")
     return load_tokenizer(spec, chat_template=m.chat_template)
