@@ -81,6 +81,8 @@ def read_rows(path: str) -> list[Row]:
             rows = list(datasets.load_dataset(kind.lstrip(".").replace("jsonl", "json"),
                                               data_files=path, split="train"))
         except Exception as e:  # noqa: BLE001 (datasets wraps a parse error in its own types)
+            if "corresponds to no data" in str(e):  # datasets' words for a file of no rows
+                raise ValueError(f"data file {path!r} has no rows") from e
             raise ValueError(_unreadable(path, kind, e)) from e
     if kind == ".parquet":
         return [(f"{path} row {i}", row) for i, row in enumerate(rows)]
