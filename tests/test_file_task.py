@@ -23,8 +23,9 @@ from avrid.ppo.setup.file_task import FileTask
 from avrid.ppo.setup.gsm8k import Gsm8kTask
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
-from avrid.ppo.setup.tokenizer import make_tokenizer
+from avrid.ppo.setup.tokenizer import HFTokenizer, load_tokenizer, make_tokenizer
 from tests.helpers import child_env
+from tests.test_ppo_tasks import _save_tiny_hf_tokenizer
 
 pytestmark = pytest.mark.chapter(5)
 
@@ -158,6 +159,24 @@ def test_gsm8k_reads_through_the_file_task(tmp_path: Path) -> None:
     # the same rows held out as the file task holds out of the same file
     plain = FileTask(tmp_path / "gsm", prompt_key="question", val_share=0.2)
     assert [p.text for p in task.val_prompts()] == [p.text for p in plain.val_prompts()]
+
+
+def test_chat_template_auto_wraps_where_the_tokenizer_has_one(tmp_path: Path) -> None:
+    _save_tiny_hf_tokenizer(tmp_path / "chat")
+    auto = HFTokenizer(tmp_path / "chat", chat_template="auto")
+    assert auto.uses_template and auto.encode("hello world") == [5, 7, 3, 4, 6, 7]
+    _save_tiny_hf_tokenizer(tmp_path / "plain")
+    (tmp_path / "plain" / "chat_template.jinja").unlink()  # a tokenizer without a template
+    plain = HFTokenizer(tmp_path / "plain", chat_template="auto")
+    assert not plain.uses_template and plain.encode("hello world") == [3, 4]
+    with pytest.raises(ValueError, match="has no chat template"):
+        HFTokenizer(tmp_path / "plain", chat_template=True)
+    assert load_tokenizer("char:ab", chat_template="auto").encode("ab") == [2, 3]
+    config = with_overrides(preset("tiny-grpo"), ["model.chat_template=auto"])
+    assert config.model.chat_template == "auto"
+    assert with_overrides(config, ["model.chat_template=true"]).model.chat_template is True
+    with pytest.raises(ValueError, match="model.chat_template"):
+        with_overrides(config, ["model.chat_template=maybe"])
 
 
 # ---- errors, each one line -------------------------------------------------------------------

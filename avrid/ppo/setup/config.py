@@ -64,8 +64,10 @@ class ModelConfig:
     tokenizer: str | None = None
     """"char" (the task's alphabet, one token per character) or a local tokenizer directory;
     None = "char" for a tiny model, `path` otherwise."""
-    chat_template: bool = False
-    """Wrap each prompt as one user message with the tokenizer's chat template."""
+    chat_template: bool | Literal["auto"] = False
+    """Wrap each prompt as one user message with the tokenizer's chat template: true (the
+    tokenizer must have one), false, or "auto" (where the tokenizer has one; a data file's
+    chat prompt, task.name=file, is that one message)."""
     hidden_size: int = 64
     """Tiny model: width."""
     num_layers: int = 2
@@ -83,6 +85,8 @@ class ModelConfig:
         need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
              f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
         one_of("model.dtype", self.dtype, Dtype, "dtype")
+        need(self.chat_template in (True, False, "auto"), "model.chat_template",
+             f"must be true, false or 'auto', got {self.chat_template!r}")
         need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
              "a tiny model (no model.path) uses the 'char' tokenizer")
 
