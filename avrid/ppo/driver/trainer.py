@@ -83,8 +83,7 @@ class Trainer:
         if config.reward_model.enabled:  # a wrong checkpoint fails now, not in a worker
             check_checkpoint(config.reward_model.path)
         t = config.task
-        self.task: Task = load_task(t.name, **dict(t.options),
-                                    **({"path": t.path} if t.path else {}))
+        self.task: Task = load_task(t.name, **t.kwargs)
         validate(config, self.task)  # the rules that need the task: response budget, alphabet
         # A user's estimator or loss ("module:function") is imported and checked now, so a
         # typo fails in one line before any worker starts.

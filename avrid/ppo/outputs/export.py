@@ -379,7 +379,7 @@ def _rebuilt_tokenizer_record(config: Mapping[str, Mapping[str, Any]]) -> dict[s
     spec = m.tokenizer or ("char" if m.path is None else m.path)  # as make_tokenizer picks
     if spec != "char":  # a local directory: no need to load the task (or its data file)
         return tokenizer_record(load_tokenizer(spec, chat_template=m.chat_template))
-    task = load_task(t.name, **dict(t.options), **({"path": t.path} if t.path else {}))
+    task = load_task(t.name, **t.kwargs)
     return tokenizer_record(make_tokenizer(cfg, task))
 
 

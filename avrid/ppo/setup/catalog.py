@@ -12,10 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from avrid.ppo.setup.digits import DigitTask
+from avrid.ppo.setup.file_task import FileTask
 from avrid.ppo.setup.gsm8k import Gsm8kTask
 from avrid.ppo.setup.task import TASK_MEMBERS, Prompt, Task
 
-BUILTIN_TASKS = ("digits", "gsm8k")
+BUILTIN_TASKS: dict[str, Callable[..., Any]] = {"digits": DigitTask, "file": FileTask,
+                                               "gsm8k": Gsm8kTask}
+"""The tasks known by name: the digit task, your data file (`file_task.py`) and GSM8K (a
+configuration of the file task)."""
 _ALLOWED = (f"a built-in task {', '.join(repr(b) for b in BUILTIN_TASKS)} or "
             "'package.module:factory' (a callable returning a Task)")
 
@@ -29,7 +33,7 @@ def task_constructor(spec: str) -> Callable[..., Any]:
         'DigitTask'
     """
     if spec in BUILTIN_TASKS:
-        return DigitTask if spec == "digits" else Gsm8kTask
+        return BUILTIN_TASKS[spec]
     module_name, colon, attr = spec.partition(":")
     if not colon:
         raise ValueError(f"unknown task {spec!r}; expected {_ALLOWED}")
@@ -48,7 +52,8 @@ def task_constructor(spec: str) -> Callable[..., Any]:
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:
-    """A task by name: "digits", "gsm8k" (needs path=...) or "package.module:factory".
+    """A task by name: "digits", "file" or "gsm8k" (both need path=...) or
+    "package.module:factory".
 
     Keyword arguments go to the task's constructor or the factory.
 
@@ -57,8 +62,9 @@ def load_task(spec: str, **kwargs: Any) -> Task:
         '15='
     """
     make = task_constructor(spec)
-    if spec == "gsm8k" and "path" not in kwargs:
-        raise ValueError("task 'gsm8k' needs path=<a local .jsonl or .parquet file>")
+    if spec in ("file", "gsm8k") and "path" not in kwargs:
+        raise ValueError(f"task {spec!r} needs path=<a local .jsonl, .parquet or datasets "
+                         f"directory>")
     try:
         task = make(**kwargs)
     except TypeError as e:  # wrong keyword arguments: say which task they were meant for

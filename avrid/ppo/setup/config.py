@@ -1,8 +1,8 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds eleven small sections (`algo` is in `algo.py`, `rollout` in
-`rollout.py`, `memory` in `memory.py`, `lora` in `lora.py`, `reward_model` in
-`reward_model.py`, chapter 6's `pipeline` in `pipeline.py`, chapter 7's `tools` in
+One `PPOConfig` holds eleven small sections (`task` is in `task_config.py`, `algo` in
+`algo.py`, `rollout` in `rollout.py`, `memory` in `memory.py`, `lora` in `lora.py`,
+`reward_model` in `reward_model.py`, chapter 6's `pipeline` in `pipeline.py`, chapter 7's `tools` in
 `tools.py`). Every field has a docstring, a default
 that runs on a laptop, and a check in `__post_init__` that names the field and the allowed
 range, so a bad value fails when the config is made — before Ray starts or any worker
@@ -27,19 +27,16 @@ re-validated config (the command line's ``--set``). Presets live in `presets.py`
 
 from __future__ import annotations
 
-import math
-import types
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from avrid.ppo.setup.algo import AlgoConfig
 from avrid.ppo.setup.lora import LoraConfig
 from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
-from avrid.ppo.setup.reward_functions import load_functions, resolve_spec
 from avrid.ppo.setup.reward_model import RewardModelConfig
 from avrid.ppo.setup.rollout import RolloutConfig
+from avrid.ppo.setup.task_config import TaskConfig
 from avrid.ppo.setup.tools import ToolsConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
 from avrid.workers.placement import Strategy
@@ -66,8 +63,10 @@ class ModelConfig:
     tokenizer: str | None = None
     """"char" (the task's alphabet, one token per character) or a local tokenizer directory;
     None = "char" for a tiny model, `path` otherwise."""
-    chat_template: bool = False
-    """Wrap each prompt as one user message with the tokenizer's chat template."""
+    chat_template: bool | Literal["auto"] = False
+    """Wrap each prompt as one user message with the tokenizer's chat template: true (the
+    tokenizer must have one), false, or "auto" (where the tokenizer has one; a data file's
+    chat prompt, task.name=file, is that one message)."""
     hidden_size: int = 64
     """Tiny model: width."""
     num_layers: int = 2
@@ -85,82 +84,10 @@ class ModelConfig:
         need(self.hidden_size % self.num_heads == 0, "model.hidden_size",
              f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
         one_of("model.dtype", self.dtype, Dtype, "dtype")
+        need(self.chat_template in (True, False, "auto"), "model.chat_template",
+             f"must be true, false or 'auto', got {self.chat_template!r}")
         need(self.path is not None or self.tokenizer in (None, "char"), "model.tokenizer",
              "a tiny model (no model.path) uses the 'char' tokenizer")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TaskConfig:
-    """Where prompts and rewards come from (see `catalog.load_task`)."""
-
-    name: str = "digits"
-    """"digits" (built in), "gsm8k" (needs `path`), or "package.module:factory" (your own)."""
-    path: str | None = None
-    """Local data file (.jsonl or .parquet) for tasks that read one (gsm8k)."""
-    options: Mapping[str, Any] = field(default_factory=lambda: {"op": "reverse", "length": 3})
-    """Extra keyword arguments for the task's constructor/factory. On the command line
-    key:value,key:value (task.options=op:sort,length:4; empty for none), each value read as
-    the type the task declares for it (else true/false, a number, or the text); JSON and
-    anything else are refused (see setup/task_options.py). In a file, a mapping."""
-    reward: str | None = None
-    """Your reward function instead of the task's: "module:function" (a module on the import
-    path; the directory you run avrid from is on it, for the Ray workers too) or
-    "path/to/file.py:function". Called as function(prompt, response, answer, **metadata) with
-    the prompt's text, the decoded response, the task's answer and the prompt's metadata;
-    returns a number, or a dict with "score" and extra values logged as reward/<name>. A
-    function with the attribute `batched = True` is called once per batch with lists (and
-    each metadata key a list) and returns a list. See setup/reward_functions.py."""
-    rewards: Mapping[str, float] = field(default_factory=dict)
-    """Several reward functions (specs as for `reward`) with weights: a sample's score is
-    sum(weight x function's score). In a file a mapping ({"mod:f1": 0.7, "mod:f2": 0.3});
-    on the command line task.rewards=mod:f1=0.7,mod:f2=0.3. Not together with `reward`."""
-
-    def __post_init__(self) -> None:
-        need(bool(self.name), "task.name", "must name a task: 'digits', 'gsm8k' or "
-             "'package.module:factory'")
-        need(self.name != "gsm8k" or self.path is not None, "task.path",
-             "the gsm8k task needs a local .jsonl/.parquet file (task.path=...)")
-        for key, value in dict(self.options).items():
-            # Options are saved in every checkpoint's state.json and compared on resume, so
-            # they must be plain, finite JSON values (a NaN would only fail at the first save).
-            need(_plain_json(value), f"task.options.{key}",
-                 f"must be a string, a bool, an int, a finite float, None or a list of "
-                 f"those, got {value!r}")
-        object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
-        self._check_rewards()
-
-    def _check_rewards(self) -> None:
-        need(self.reward is None or not self.rewards, "task.rewards",
-             "set task.reward (one function) or task.rewards (several, weighted), not both")
-        for spec, weight in dict(self.rewards).items():
-            need(isinstance(spec, str), "task.rewards",
-                 f"keys are 'module:function' specs, got {spec!r}")
-            need(isinstance(weight, int | float) and not isinstance(weight, bool)
-                 and math.isfinite(weight), f"task.rewards.{spec}",
-                 f"a weight must be a finite number, got {weight!r}")
-        # A file spec is made absolute here, where the user's directory is the current one:
-        # the Ray workers that import it run elsewhere.
-        if self.reward is not None:
-            object.__setattr__(self, "reward", resolve_spec(self.reward))
-        object.__setattr__(self, "rewards", types.MappingProxyType(
-            {resolve_spec(spec): w for spec, w in dict(self.rewards).items()}))
-        try:  # imported now, so a bad spec fails before anything starts, not mid-run
-            load_functions(self.reward_weights)
-        except ValueError as e:
-            need(False, "task.reward" if self.reward is not None else "task.rewards", str(e))
-
-    @property
-    def reward_weights(self) -> Mapping[str, float]:
-        """The reward functions to use (spec -> weight); empty: the task's own reward."""
-        return {self.reward: 1.0} if self.reward is not None else dict(self.rewards)
-
-
-def _plain_json(value: Any) -> bool:
-    if isinstance(value, list | tuple):
-        return all(_plain_json(v) for v in value)
-    if isinstance(value, float):
-        return math.isfinite(value)
-    return value is None or isinstance(value, str | bool | int)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

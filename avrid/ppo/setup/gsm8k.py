@@ -6,21 +6,22 @@ own answer the same way; the reward extracts the last ``#### <number>`` from the
 compares it numerically with the ground truth. It is the canonical "verifiable reward" of
 RLVR papers: no learned reward model, just a check.
 
-What this file is not: it does not download GSM8K (point it at a .jsonl or .parquet you
-already have), does not grade the reasoning (only the final number counts), and does not
-tokenize (a chat model usually wants ``HFTokenizer(path, chat_template=True)``).
+It is a configuration of the file task (`file_task.py`): the same reader, splits and errors,
+with GSM8K's column names, its instruction and its reward. What this file is not: it does
+not download GSM8K (point it at a .jsonl, .parquet or datasets directory you already have),
+does not grade the reasoning (only the final number counts), and does not tokenize (a chat
+model usually wants ``HFTokenizer(path, chat_template=True)``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
+from avrid.ppo.setup.file_task import FileTask, column, prompt_text
 from avrid.ppo.setup.task import Prompt
 
 DEFAULT_INSTRUCTION = "Let's think step by step and output the final answer after '####'."
@@ -51,38 +52,7 @@ def _same_number(a: str, b: str) -> bool:
         return False
 
 
-def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """(where, record) for each record of a .jsonl or .parquet file; `where` is for errors."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"GSM8K file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq  # optional: avrid does not depend on pyarrow
-        except ImportError as e:
-            raise ImportError(f"reading {path!r} needs pyarrow (pip install pyarrow), or "
-                              "convert the file to .jsonl (one JSON object per line)") from e
-        rows = pq.read_table(path).to_pylist()
-        return [(f"{path} row {i}", row) for i, row in enumerate(rows)]
-    if not path.endswith((".jsonl", ".json")):
-        raise ValueError(f"GSM8K file {path!r} must be .jsonl or .parquet")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object with 'question' and "
-                                 f"'answer', got {type(record).__name__}")
-            out.append((where, record))
-    return out
-
-
-def _ground_truth(where: str, answer: Any) -> str:
+def _ground_truth(where: str, answer: Any, key: str) -> str:
     if isinstance(answer, int | float) and not isinstance(answer, bool):
         return str(answer)
     if isinstance(answer, str):
@@ -92,38 +62,20 @@ def _ground_truth(where: str, answer: Any) -> str:
         bare = _NUMBER_RE.fullmatch(answer)  # already-extracted datasets store just "72"
         if bare:
             return bare.group(1).replace(",", "")
-    raise ValueError(f"{where}: field 'answer' must end with '#### <number>' (or be a number), "
+    raise ValueError(f"{where}: field {key!r} must end with '#### <number>' (or be a number), "
                      f"got {answer!r}")
 
 
-def _load_prompts(path: str, instruction: str) -> list[tuple[str, str]]:
-    """(prompt text, ground truth) for each record of `path`."""
-    out = []
-    for where, record in _read_rows(path):
-        for key in ("question", "answer"):
-            if key not in record:
-                raise ValueError(f"{where}: missing field {key!r}")
-        question = record["question"]
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"{where}: field 'question' must be a non-empty string")
-        text = f"{question.strip()} {instruction}" if instruction else question.strip()
-        out.append((text, _ground_truth(where, record["answer"])))
-    if not out:
-        raise ValueError(f"GSM8K file {path!r} has no records")
-    return out
-
-
-def _prompts(pairs: Sequence[tuple[str, str]]) -> list[Prompt]:
-    return [Prompt(index=i, text=text, answer=answer) for i, (text, answer) in enumerate(pairs)]
-
-
-class Gsm8kTask:
-    """GSM8K-style task: questions and ``#### <number>`` answers from a local file.
+class Gsm8kTask(FileTask):
+    """GSM8K-style task: questions and ``#### <number>`` answers from a local file, read as
+    the file task reads any file (`file_task.FileTask`), with GSM8K's columns, instruction and
+    reward.
 
     Args:
-        path: a .jsonl file (one ``{"question": ..., "answer": ...}`` per line) or a .parquet
-            file with those columns (needs pyarrow).
-        val_fraction: without `val_path`, this fraction of `path` (at least one record) is held
+        path: a .jsonl file (one ``{"question": ..., "answer": ...}`` per line), a .parquet
+            file with those columns, or a datasets directory (as `FileTask` reads them).
+        prompt_key, answer_key: the question's and the worked answer's columns.
+        val_share: without `val_path`, this share of `path` (at least one record) is held
             out for validation, chosen with `seed`; each split keeps the file's order.
         val_path: a separate validation file; then all of `path` is used for training.
         seed: seed of the train/validation split.
@@ -134,7 +86,8 @@ class Gsm8kTask:
 
     Reward: 1.0 if the last ``#### <number>`` of the response equals the ground truth
     numerically ("1,234" == "1234", "72.0" == "72"), `format_score` if it is another number,
-    0.0 if the response has no such marker.
+    0.0 if the response has no such marker. No alphabet: its paragraphs of English need a
+    real tokenizer (``model.path``).
 
     Example:
         >>> import json, pathlib, tempfile
@@ -142,7 +95,7 @@ class Gsm8kTask:
         >>> rows = [{"question": f"{n} + {n}?", "answer": f"{n} + {n} = {2 * n}\\n#### {2 * n}"}
         ...         for n in range(10)]
         >>> _ = f.write_text("\\n".join(json.dumps(r) for r in rows))
-        >>> task = Gsm8kTask(f, val_fraction=0.2, instruction="")
+        >>> task = Gsm8kTask(f, val_share=0.2, instruction="")
         >>> len(task.train_prompts()), len(task.val_prompts())
         (8, 2)
         >>> p = task.train_prompts()[1]
@@ -154,46 +107,32 @@ class Gsm8kTask:
     """
 
     name: ClassVar[str] = "gsm8k"
-    alphabet: ClassVar[str | None] = None
 
-    def __init__(self, path: str | os.PathLike[str], *, val_fraction: float = 0.1,
+    def __init__(self, path: str | os.PathLike[str], *, prompt_key: str = "question",
+                 answer_key: str = "answer", val_share: float | None = None,
                  val_path: str | os.PathLike[str] | None = None, seed: int = 0,
                  max_response_tokens: int = 512, instruction: str = DEFAULT_INSTRUCTION,
                  format_score: float = 0.0) -> None:
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
-        self.path = os.fspath(path)
-        self.val_path = None if val_path is None else os.fspath(val_path)
-        self.seed = seed
-        self.max_response_tokens = max_response_tokens
-        self.instruction = instruction
+        self.instruction = instruction  # read by make_prompt, which the reading calls
         self.format_score = format_score
-        pairs = _load_prompts(self.path, instruction)
-        if self.val_path is not None:
-            self._train = _prompts(pairs)
-            self._val = _prompts(_load_prompts(self.val_path, instruction))
-            return
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        if len(pairs) < 2:
-            raise ValueError(f"GSM8K file {self.path!r} has {len(pairs)} record(s); a train/"
-                             "validation split needs at least 2 (or pass val_path)")
-        order = list(range(len(pairs)))
-        random.Random(seed).shuffle(order)
-        n_val = min(len(pairs) - 1, max(1, round(len(pairs) * val_fraction)))
-        held_out = set(order[:n_val])
-        self._train = _prompts([p for i, p in enumerate(pairs) if i not in held_out])
-        self._val = _prompts([p for i, p in enumerate(pairs) if i in held_out])
+        super().__init__(path, prompt_key=prompt_key, answer_key=answer_key,
+                         val_path=val_path, val_share=val_share, seed=seed,
+                         max_response_tokens=max_response_tokens)
+        self.alphabet = None
 
-    def __repr__(self) -> str:
-        return (f"Gsm8kTask({self.path!r}, train={len(self._train)}, val={len(self._val)}, "
-                f"seed={self.seed})")
-
-    def train_prompts(self) -> Sequence[Prompt]:
-        return self._train
-
-    def val_prompts(self) -> Sequence[Prompt]:
-        return self._val
+    def make_prompt(self, where: str, row: Mapping[str, Any]) -> Prompt:
+        """The question with the instruction after it; the number the worked answer ends
+        with as the ground truth."""
+        question = prompt_text(where, column(where, row, self.prompt_key), self.prompt_key)
+        answer = column(where, row, self.answer_key)
+        if answer is None:
+            raise ValueError(f"{where}: missing field {self.answer_key!r}")
+        text = f"{question.strip()} {self.instruction}" if self.instruction else question.strip()
+        metadata = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
+        return Prompt(index=0, text=text, answer=_ground_truth(where, answer, self.answer_key),
+                      metadata=metadata)
 
     def reward(self, prompt: Prompt, response: str) -> float:
         found = extract_answer(response)

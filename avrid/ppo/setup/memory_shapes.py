@@ -192,9 +192,8 @@ def _task_vocab(config: PPOConfig) -> tuple[int, str]:
     from avrid.ppo.setup.catalog import load_task
 
     try:
-        task = load_task(config.task.name, **dict(config.task.options),
-                         **({"path": config.task.path} if config.task.path else {}))
-        return len(task.alphabet) + 2, "of the task's char tokenizer"
+        task = load_task(config.task.name, **config.task.kwargs)
+        return len(config.task.alphabet or task.alphabet) + 2, "of the task's char tokenizer"
     except Exception:  # noqa: BLE001 (any failure of a user's task: use the stated default)
         return TINY_VOCAB, f"assumed {TINY_VOCAB} (the task could not be read)"
 

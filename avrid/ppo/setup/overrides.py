@@ -77,6 +77,9 @@ def _parse(raw: str, hint: Any, key: str) -> Any:
         return None
     if origin is Literal:
         return raw
+    # `bool | Literal["auto"]`: one of the choices is read as itself, anything else as the type.
+    if any(raw in typing.get_args(a) for a in args if typing.get_origin(a) is Literal):
+        return raw
     kind = next((a for a in args if a is not type(None)), hint)
     try:
         if kind is bool:

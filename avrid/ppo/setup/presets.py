@@ -158,7 +158,8 @@ def qwen_gsm8k() -> PPOConfig:
     """GRPO on GSM8K with Qwen2.5-0.5B-Instruct and vLLM on one GPU, all from local paths.
 
     The paths come from the environment (nothing is downloaded): ``AVRID_QWEN_PATH`` (the
-    model directory) and ``AVRID_GSM8K_PATH`` (a .jsonl or .parquet with question/answer).
+    model directory) and ``AVRID_GSM8K_PATH`` (a .jsonl, .parquet or datasets directory with
+    question/answer columns, read by the file task's reader: `gsm8k.Gsm8kTask`).
     The model is read from `model.path`, so the updates checkpoint activations
     (`train.gradient_checkpointing`'s automatic default)."""
     model_path = os.environ.get("AVRID_QWEN_PATH", "models/Qwen2.5-0.5B-Instruct")

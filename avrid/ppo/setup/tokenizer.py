@@ -24,7 +24,7 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:  # annotations only: the config and the task do not need a tokenizer
     from avrid.ppo.setup.config import PPOConfig
@@ -160,7 +160,8 @@ class HFTokenizer:
             offline; it must exist — nothing is downloaded.
         chat_template: when True, `encode(text)` wraps `text` as one user message with the
             tokenizer's chat template and appends the generation prompt (the assistant's turn
-            header), as instruction-tuned models expect.
+            header), as instruction-tuned models expect. "auto": the same where the tokenizer
+            has a chat template, plain text where it has none (`uses_template` says which).
 
     The pad id falls back to the EOS id when the tokenizer has no pad token (most decoder-only
     models). `decode` skips special tokens. Pickling keeps only the path and the flag; the
@@ -168,10 +169,21 @@ class HFTokenizer:
     a shared filesystem).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, chat_template: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *,
+                 chat_template: bool | Literal["auto"] = False) -> None:
+        if chat_template not in (True, False, "auto"):
+            raise ValueError(f"chat_template must be true, false or 'auto', got "
+                             f"{chat_template!r}")
         self.path = os.fspath(path)
         self.chat_template = chat_template
         self._tok = self._load()
+
+    @property
+    def uses_template(self) -> bool:
+        """Whether `encode` wraps a prompt in the chat template (True, or "auto" with a
+        tokenizer that has one)."""
+        has_one = bool(getattr(self._tok, "chat_template", None))
+        return self.chat_template is True or (self.chat_template == "auto" and has_one)
 
     def _load(self) -> Any:
         if not os.path.exists(self.path):
@@ -183,9 +195,9 @@ class HFTokenizer:
         if tok.eos_token_id is None:
             raise ValueError(f"tokenizer at {self.path!r} has no EOS token; the rollout needs "
                              "one to know where a response ends")
-        if self.chat_template and not getattr(tok, "chat_template", None):
+        if self.chat_template is True and not getattr(tok, "chat_template", None):
             raise ValueError(f"chat_template=True but the tokenizer at {self.path!r} has no "
-                             "chat template; use chat_template=False")
+                             "chat template; use chat_template=False (or 'auto')")
         return tok
 
     def __getstate__(self) -> dict[str, Any]:
@@ -240,7 +252,7 @@ class HFTokenizer:
         return self.eos_token_id if pad is None else int(pad)
 
     def encode(self, text: str) -> list[int]:
-        if self.chat_template:
+        if self.uses_template:
             # return_dict=False: transformers 5 returns a BatchEncoding by default, 4 a list.
             ids = self._tok.apply_chat_template([{"role": "user", "content": text}],
                                                 add_generation_prompt=True, tokenize=True,
@@ -256,7 +268,7 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def load_tokenizer(spec: str, *, chat_template: bool = False) -> Tokenizer:
+def load_tokenizer(spec: str, *, chat_template: bool | Literal["auto"] = False) -> Tokenizer:
     """A tokenizer from a spec: ``"char:<alphabet>"`` or a local tokenizer/model path.
 
     Example:
@@ -264,7 +276,7 @@ def load_tokenizer(spec: str, *, chat_template: bool = False) -> Tokenizer:
         [3, 2]
     """
     if spec.startswith("char:"):
-        if chat_template:
+        if chat_template is True:  # "auto": a character tokenizer has none, so none is used
             raise ValueError(f"chat_template=True needs a Hugging Face tokenizer, not {spec!r}")
         return CharTokenizer(spec[len("char:"):])
     return HFTokenizer(spec, chat_template=chat_template)
@@ -278,10 +290,11 @@ def response_text(tokens: list[int], tokenizer: Tokenizer) -> str:
 
 
 def make_tokenizer(config: PPOConfig, task: Task) -> Tokenizer:
-    """The char tokenizer over the task's alphabet for tiny models, else a local one
-    (`validate` has checked that a char tokenizer's task has an alphabet)."""
+    """The char tokenizer for tiny models, over `task.alphabet` where the config sets one,
+    else the task's; else a local one (`validate` has checked that a char tokenizer has an
+    alphabet)."""
     m = config.model
     spec = m.tokenizer or ("char" if m.path is None else m.path)
     if spec == "char":
-        return load_tokenizer(f"char:{task.alphabet}")
+        return load_tokenizer(f"char:{config.task.alphabet or task.alphabet}")
     return load_tokenizer(spec, chat_template=m.chat_template)

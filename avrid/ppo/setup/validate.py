@@ -14,7 +14,7 @@ rule, each error naming the field to change and what is allowed:
                head dim it supports
     rollout    one GPU per vLLM engine (tensor_parallel_size=1)
     sizes      a whole sequence (prompt cap + response budget) fits in one micro-batch
-    task       a character tokenizer needs the task's alphabet
+    task       a character tokenizer needs an alphabet (the task's or task.alphabet)
 
 `PPOConfig` calls `validate(config)` when it is made, so no config that breaks a rule
 exists; the trainer calls `validate(config, task)` at start, which adds the rules that need
@@ -170,9 +170,9 @@ def _fits_micro_batch(config: PPOConfig, response_tokens: int) -> None:
 def _tokenizer_covers(config: PPOConfig, task: Task) -> None:
     m = config.model
     char = (m.tokenizer or ("char" if m.path is None else m.path)) == "char"
-    need(not char or task.alphabet is not None, "model.tokenizer",
-         f"task {task.name!r} needs a real tokenizer (it has no alphabet); set model.path or "
-         f"model.tokenizer to a local tokenizer directory")
+    need(not char or task.alphabet is not None or config.task.alphabet is not None,
+         "model.tokenizer", f"task {task.name!r} needs a real tokenizer (it has no alphabet); "
+         f"set model.path or model.tokenizer to a local tokenizer directory, or task.alphabet")
 
 
 def check_paths(config: PPOConfig) -> None:
@@ -182,10 +182,11 @@ def check_paths(config: PPOConfig) -> None:
                               ("model.critic_path", m.critic_path, "directory"),
                               ("model.tokenizer", None if m.tokenizer in (None, "char")
                                else m.tokenizer, "directory"),
-                              ("task.path", t.path, "file")):
+                              ("task.path", t.path, "file or directory"),
+                              ("task.val_path", t.val_path, "file or directory")):
         if path is None:
             continue
-        ok = Path(path).is_dir() if kind == "directory" else Path(path).is_file()
+        ok = {"directory": Path(path).is_dir(), "file or directory": Path(path).exists()}[kind]
         need(ok, field, f"no local {kind} at {path!r} (nothing is downloaded; point it at a "
                         f"local copy)")
 
