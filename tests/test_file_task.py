@@ -102,6 +102,25 @@ def test_grpo_on_a_datasets_directory_with_a_validation_file(tmp_path: Path) -> 
 
 # ---- reading -----------------------------------------------------------------------------------
 
+def test_a_file_of_prompts_only_trains_with_a_reward_function_and_refuses_exact_match(
+        tmp_path: Path) -> None:
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"prompt": r["prompt"], "carry": r["carry"]}
+                                            for r in ROWS])
+    task = FileTask(prompts)  # no "answer" column, none asked for: answers are ""
+    assert {p.answer for p in task.train_prompts()} == {""}
+    assert task.max_response_tokens == 64  # nothing to size it from
+    with pytest.raises(ValueError, match=r"has no column 'answer'.*task\.reward.*rule_weight=0"):
+        task.reward(task.train_prompts()[0], "1")
+    with pytest.raises(ValueError, match=r"no column 'answer' \(task\.answer_key\)"):
+        FileTask(prompts, answer_key="answer")  # named: it must exist
+    module = tmp_path / "longest.py"
+    module.write_text("def score(prompt, response, answer, **metadata):\n"
+                      "    return float(len(response.strip()))\n")
+    _grpo(tmp_path / "run", prompts, f"task.reward={module}:score",
+          "rollout.max_response_tokens=4")
+    assert len(_metrics(tmp_path / "run")) == 1
+
+
 def test_keys_metadata_and_alphabet_come_from_the_data(tmp_path: Path) -> None:
     rows = [{"question": r["prompt"], "sum": int(r["answer"]), "carry": r["carry"]}
             for r in ROWS]

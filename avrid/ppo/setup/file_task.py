@@ -39,6 +39,9 @@ from typing import Any, ClassVar
 
 from avrid.ppo.setup.task import Prompt
 
+NO_ANSWER_RESPONSE_TOKENS = 64
+"""The default response budget of a file without answers (nothing to size it from)."""
+
 DEFAULT_VAL_SHARE = 0.1
 """The share of rows held out for validation when neither `val_path` nor `val_share` is set."""
 
@@ -235,6 +238,9 @@ class FileTask:
         path: the training data (``task.path``).
         prompt_key: the prompt's column (``task.prompt_key``).
         answer_key: the answer's column; dotted for a nested one (``task.answer_key``).
+            None: "answer" if the file has that column; a file without it (prompts only,
+            for a reward model or a reward function that needs no answer) gives every
+            prompt the answer "", and the task's own exact-match reward then refuses to run.
         val_path: a separate validation file; then all of `path` trains (``task.val_path``).
         val_share: without `val_path`, the share of `path`'s rows held out for validation,
             drawn with `seed` (``task.val_share``; None: 10 %).
@@ -263,7 +269,7 @@ class FileTask:
     name: ClassVar[str] = "file"
 
     def __init__(self, path: str | os.PathLike[str], *, prompt_key: str = "prompt",
-                 answer_key: str = "answer", val_path: str | os.PathLike[str] | None = None,
+                 answer_key: str | None = None, val_path: str | os.PathLike[str] | None = None,
                  val_share: float | None = None, seed: int = 0,
                  max_response_tokens: int | None = None) -> None:
         if val_path is not None and val_share is not None:
@@ -273,7 +279,10 @@ class FileTask:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
         self.path = os.fspath(path)
         self.val_path = None if val_path is None else os.fspath(val_path)
-        self.prompt_key, self.answer_key, self.seed = prompt_key, answer_key, seed
+        self.prompt_key, self.answer_key, self.seed = prompt_key, answer_key or "answer", seed
+        # A key the user named must exist; the default one may be absent (prompts only).
+        self.answers_required = answer_key is not None
+        self.has_answers = True
         prompts = self._load(self.path)
         if self.val_path is not None:
             train, val = prompts, self._load(self.val_path)
@@ -291,22 +300,28 @@ class FileTask:
         everything = [*self._train, *self._val]
         self.alphabet: str | None = "".join(sorted({ch for p in everything
                                                     for ch in p.text + p.answer}))
-        self.max_response_tokens = max_response_tokens or 1 + max(
-            len(p.answer) for p in everything)
+        longest = max(len(p.answer) for p in everything)
+        self.max_response_tokens = max_response_tokens or (
+            1 + longest if self.has_answers else NO_ANSWER_RESPONSE_TOKENS)
 
     def _load(self, path: str) -> list[Prompt]:
         """The prompts of one file, in its order (each index still 0)."""
         rows = read_rows(path)
         if not rows:
             raise ValueError(f"data file {path!r} has no rows")
-        check_keys(path, rows, {"task.prompt_key": self.prompt_key,
-                                "task.answer_key": self.answer_key})
+        keys = {"task.prompt_key": self.prompt_key}
+        if self.answers_required or self.answer_key in rows[0][1]:
+            keys["task.answer_key"] = self.answer_key
+        else:
+            self.has_answers = False
+        check_keys(path, rows, keys)
         return [self.make_prompt(where, row) for where, row in rows]
 
     def make_prompt(self, where: str, row: Mapping[str, Any]) -> Prompt:
         """One row as a prompt: its text, its answer, the other columns as metadata."""
         text = prompt_text(where, column(where, row, self.prompt_key), self.prompt_key)
-        answer = answer_text(where, column(where, row, self.answer_key), self.answer_key)
+        answer = (answer_text(where, column(where, row, self.answer_key), self.answer_key)
+                  if self.has_answers else "")
         # A dotted answer key leaves its column in the metadata: it may hold more (verl's
         # reward_model has a "style" beside the ground truth).
         metadata = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
@@ -323,6 +338,11 @@ class FileTask:
         return self._val
 
     def reward(self, prompt: Prompt, response: str) -> float:
+        if not self.has_answers:
+            raise ValueError(f"data file {self.path!r} has no column {self.answer_key!r}, so "
+                             f"the file task's exact-match reward has nothing to match; set "
+                             f"task.answer_key, a reward function (task.reward=module:function)"
+                             f" or a reward model alone (reward_model.rule_weight=0)")
         return 1.0 if response.strip() == prompt.answer.strip() else 0.0
 
 
