@@ -64,21 +64,27 @@ class EchoEnv:
 
 
 def test_a_turn_reaches_the_episodes_cap_exactly_and_never_passes_it() -> None:
-    # max_tokens 10, turns of up to 8 tokens, a 1-token observation: turn 1 takes 8, the
-    # observation 1, and turn 2 may take only the 1 token left (not the 8 of its turn), so the
-    # episode is exactly 10 tokens, then ends truncated (no room for another observation).
-    # A second episode, with a 0-token observation, has 2 left at turn 2: each row is cut at
-    # its own budget within one call.
-    engine = ScriptedEngine([WORD] * 20)
-    envs = [EchoEnv([7]), EchoEnv([])]
-    limits = EpisodeLimits(max_turns=4, turn_tokens=8, max_tokens=10)
-    trajs, _ = run_episodes(engine, envs, tokenizer=IdTokenizer(), limits=limits,
-                            params=PARAMS, schedule="turn_sync")
-    assert [len(t.ids) for t in trajs] == [10, 10]
-    assert [[b - a for kind, a, b in t.turns if kind == "policy"] for t in trajs] == [
-        [8, 1], [8, 2]]
-    assert all(t.truncated and not t.done for t in trajs)
-    assert engine.budgets == [8, 2]  # the call runs to the largest row's budget
+    # max_tokens 10, turns of up to 8 tokens, then the environment's observation: with 1
+    # token, turn 2 may take only the 1 token left (not the 8 of its turn), so the episode is
+    # exactly 10 tokens, then ends truncated (no room for another observation). With 0
+    # tokens, 2 are left: each row is cut at its own budget within one call. With 2 tokens
+    # the observation does not fit (the next turn would have no token): it ends at 8.
+    # In segments of 4 the same episodes, and never an empty call.
+    runs = []
+    for segment in (None, 4):
+        engine = ScriptedEngine([WORD] * 20)
+        envs = [EchoEnv([7]), EchoEnv([]), EchoEnv([7, 7])]
+        limits = EpisodeLimits(max_turns=4, turn_tokens=8, max_tokens=10)
+        trajs, _ = run_episodes(engine, envs, tokenizer=IdTokenizer(), limits=limits,
+                                params=PARAMS, schedule="turn_sync", segment_tokens=segment)
+        assert [len(t.ids) for t in trajs] == [10, 10, 8], segment
+        turns = [[b - a for kind, a, b in t.turns if kind == "policy"] for t in trajs]
+        assert turns == [[8, 1], [8, 2], [8]], segment
+        assert all(t.truncated and not t.done for t in trajs)
+        assert 0 not in engine.budgets
+        runs.append(([t.ids for t in trajs], engine.budgets))
+    assert runs[0][1] == [8, 2]  # a call runs to the largest row's budget
+    assert runs[1] == (runs[0][0], [4, 4, 2])  # the turn ends at its own limit, not later
 
 
 def test_a_stop_token_ends_the_turn_inside_a_calls_budget_and_at_a_segments_end() -> None:

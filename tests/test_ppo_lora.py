@@ -104,7 +104,10 @@ def test_the_adapters_start_from_the_seed_whatever_was_drawn_before() -> None:
     # different seed gives a different A. Through the policy role too: from `train.seed`.
     config = LoraConfig(rank=RANK, alpha=ALPHA)
     torch.manual_seed(0)
-    first = adapters(lora.attach(policy(), config, seed=5))
+    model = policy()
+    state = torch.random.get_rng_state()
+    first = adapters(lora.attach(model, config, seed=5))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the run's own draws untouched
     torch.manual_seed(1)
     torch.rand(7)
     again = adapters(lora.attach(policy(), config, seed=5))
