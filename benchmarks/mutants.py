@@ -61,6 +61,10 @@ LOGPROBS = "avrid/ppo/algo/logprobs.py"
 CREDIT = "avrid/ppo/data/credit.py"
 DYNAMIC = "avrid/ppo/data/dynamic_sampling.py"
 REGISTRY = "avrid/ppo/algo/registry.py"
+EPISODES = "avrid/agents/episodes.py"
+EXPORT_DEST = "avrid/ppo/outputs/export_dest.py"
+EPISODE_LIMITS = ("tests/test_agents_episode_limits.py",)
+EDGES = ("tests/test_ppo_estimator_edges.py",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,6 +263,38 @@ SITES: tuple[Site, ...] = (
          "batch.take(torch.nonzero(dense <= groups)", DYN),
     site("grpo_norm_choice", REGISTRY, "norm_by_std=x.algo.grpo_norm_by_std)",
          "norm_by_std=True)", ROLE),
+    # ---- issue 44's held-out audit: each survived until its test was written ----
+    site("lora_unseeded", "avrid/ppo/roles/lora.py", "        torch.manual_seed(seed)\n",
+         None, ("tests/test_ppo_lora.py::test_the_adapters_start_from_the_seed_whatever_was_"
+                "drawn_before",)),
+    site("episode_cap_ignored", EPISODES,
+         "budget = min(limits.turn_tokens - used, limits.max_tokens - len(ep.traj.ids))",
+         "budget = limits.turn_tokens - used", EPISODE_LIMITS),
+    site("stop_not_ending_turn", EPISODES, "stopped = bool(ids) and ids[-1] in stops",
+         "stopped = False", EPISODE_LIMITS),
+    site("calc_last_call", "avrid/agents/calc.py", "self._calls[0]", "self._calls[-1]",
+         ("tests/test_agents_calc.py::test_the_shaped_reward_credits_the_first_call_not_a_"
+          "later_one",)),
+    site("export_root_unprotected", EXPORT_DEST, "protected.append(step.parent)", "pass",
+         ("tests/test_ppo_export_dest.py",)),
+    site("export_extra_folders", EXPORT_DEST, "folders <= {ADAPTER_DIR} and (", "(",
+         ("tests/test_ppo_export_dest.py",)),
+    site("by_value_submodules", "avrid/workers/call_wire.py",
+         'module == name or module.startswith(name + ".")', "module == name",
+         ("tests/test_call_wire.py::test_a_submodule_of_a_by_value_package_goes_the_"
+          "ordinary_way",)),
+    site("gspo_uncapped", "avrid/ppo/algo/policy_losses.py",
+         ".clamp(max=_GSPO_MAX_LOG_RATIO)", "", EDGES),
+    site("rpp_baseline_singleton", "avrid/ppo/algo/estimators.py",
+         "centred = torch.where(n > 1, s - total / n, s)", "centred = s - total / n", EDGES),
+    site("packed_default_scale", "avrid/ppo/engines/packed_attention.py",
+         "is_causal=True, scale=scaling, dropout_p", "is_causal=True, dropout_p",
+         ("tests/test_packed_attention.py",)),
+    site("held_scales_a", "avrid/ppo/engines/vllm_lora.py",
+         'cast * scaling if ".lora_B." in key', 'cast * scaling if ".lora_A." in key',
+         ("tests/test_ppo_lora_adapter_sync.py",)),
+    site("chunks_not_checkpointed", LOGPROBS, "        if keep_graph:\n",
+         "        if False:\n", ("tests/test_ppo_packed_logprobs.py",)),
 )
 
 

@@ -14,6 +14,7 @@ from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
+from avrid.ppo.setup.task import Prompt
 from avrid.ppo.setup.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.chapter(7)
@@ -40,6 +41,21 @@ def test_the_calculator_accepts_integer_arithmetic_only(expression: str, status:
     if output is not None:
         assert output in result.output
     assert result.seconds < 1.0
+
+
+def test_the_shaped_reward_credits_the_first_call_not_a_later_one() -> None:
+    # "48*7=": a right call then a wrong one scores the call's half in full; a wrong call
+    # then a right one scores the wrong call's credit ("12*3" holds only "*" of "48*7": 1/4).
+    task = CalcTask(call_weight=0.5)
+    prompt = Prompt(index=0, text="48*7=", answer="336")
+    for calls, want in ((["[48*7]", "[12*3]"], 0.5 + 0.5 * 1.0),
+                        (["[12*3]", "[48*7]"], 0.5 + 0.5 * 0.25)):
+        env = task.make_env(prompt)
+        env.reset()
+        for call in calls:
+            assert not env.step([], call).done
+        end = env.step([], "336")  # the right answer
+        assert end.done and end.reward == pytest.approx(want), calls
 
 
 def test_calc_episodes_score_the_answer_and_the_call() -> None:

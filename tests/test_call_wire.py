@@ -144,6 +144,31 @@ def test_code_from_main_or_a_by_value_module_goes_the_ordinary_way(
     assert pack(Note()) is not None  # the rest still goes the fast way
 
 
+def test_a_submodule_of_a_by_value_package_goes_the_ordinary_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cloudpickle sends a registered package's submodules by value too (a worker cannot
+    import any of them); a package whose name merely starts the same is not registered."""
+    for name in ("wire_probe_pkg", "wire_probe_pkg_twin"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        (tmp_path / name / "sub.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import wire_probe_pkg
+    import wire_probe_pkg.sub
+    import wire_probe_pkg_twin.sub
+
+    ray.cloudpickle.register_pickle_by_value(wire_probe_pkg)
+    try:
+        assert pack(wire_probe_pkg.sub.Thing()) is None
+        assert pack((wire_probe_pkg.sub.Thing,)) is None
+        assert pack(wire_probe_pkg_twin.sub.Thing()) is not None
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(wire_probe_pkg)
+        for name in ("wire_probe_pkg", "wire_probe_pkg.sub", "wire_probe_pkg_twin",
+                     "wire_probe_pkg_twin.sub"):
+            sys.modules.pop(name, None)
+
+
 def test_what_cannot_be_unpickled_is_named(a_module: ModuleType) -> None:
     blob, buffers = pack({"thing": a_module.Thing()})
     sys.modules.pop("wire_probe_mod")  # now this process cannot import it ...

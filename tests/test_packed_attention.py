@@ -22,16 +22,18 @@ pytestmark = pytest.mark.chapter(5)
 
 
 def one_by_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               lengths: list[int]) -> torch.Tensor:
-    """The reference: each sequence alone, softmax(QK^T / sqrt(d) + causal) V written out,
-    kv heads repeated per group. (1, h, N, d) inputs -> (1, N, h, d)."""
+               lengths: list[int], scaling: float | None = None) -> torch.Tensor:
+    """The reference: each sequence alone, softmax(QK^T * scaling + causal) V written out
+    (scaling 1 / sqrt(d) by default), kv heads repeated per group. (1, h, N, d) inputs ->
+    (1, N, h, d)."""
     outs, start = [], 0
     group = q.shape[1] // k.shape[1]
     for n in lengths:
         qs = q[0, :, start:start + n]
         ks = k[0, :, start:start + n].repeat_interleave(group, dim=0)
         vs = v[0, :, start:start + n].repeat_interleave(group, dim=0)
-        scores = qs @ ks.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scale = 1 / math.sqrt(q.shape[-1]) if scaling is None else scaling
+        scores = qs @ ks.transpose(-1, -2) * scale
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         outs.append((weights @ vs).transpose(0, 1))
@@ -62,6 +64,34 @@ def test_each_sequence_attends_to_itself_alone_and_gradients_agree(
     assert torch.allclose(out, want, atol=1e-6)
     for got, ref in zip(grads, want_grads, strict=True):
         assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_the_modules_scaling_is_used_not_sdpas_default() -> None:
+    # Qwen2 and Llama scale by 1 / sqrt(head dim), SDPA's default; a model whose config sets
+    # another (Granite's attention_multiplier, Gemma 2's query_pre_attn_scalar) passes it as
+    # `scaling`, and the packed row must use it: the kernel alone, then a whole model.
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 5, 2]
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in range(3))
+    out, _ = packed_sdpa_attention(None, q, k, v, None, scaling=0.9,
+                                   position_ids=positions(lengths))
+    assert torch.allclose(out, one_by_one(q, k, v, lengths, scaling=0.9), atol=1e-6)
+
+    config = GraniteConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           attention_multiplier=0.9, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(config).eval()
+    attention = model.model.layers[0].self_attn
+    assert attention.scaling == 0.9 != attention.head_dim ** -0.5
+    seqs = [torch.randint(0, 32, (n,), generator=g) for n in lengths]
+    model.set_attn_implementation("sdpa")  # each sequence alone, transformers' own kernel
+    want = torch.cat([model(s[None]).logits[0] for s in seqs])
+    model.set_attn_implementation(register())
+    got = model(torch.cat(seqs)[None], position_ids=positions(lengths)).logits[0]
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
 
 
 def test_a_padded_batch_or_a_mask_is_refused_naming_what_it_needs() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from avrid.cli import main
 from avrid.ppo.engines.models import build_tiny_policy, tiny_spec
 from avrid.ppo.outputs.checkpoint import save_checkpoint
 from avrid.ppo.outputs.export import WEIGHTS_FILE, export_checkpoint
-from avrid.ppo.outputs.export_dest import ExportDestError
+from avrid.ppo.outputs.export_dest import ExportDestError, check_export_dest
 from avrid.ppo.outputs.outdir import LOCK_FILE
 from avrid.ppo.setup.config_file import config_to_dict
 from avrid.ppo.setup.overrides import with_overrides
@@ -152,3 +153,68 @@ def test_a_directory_that_cannot_be_set_aside_leaves_no_trash(tmp_path: Path,
         export_checkpoint(proj / "run", dest, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "proj"]
     assert (dest / WEIGHTS_FILE).read_bytes() == before  # the old export is intact
+
+
+def test_a_checkpoint_root_outside_any_run_is_protected_like_a_run(tmp_path: Path) -> None:
+    # Checkpoints saved to a folder of their own (not ``run/checkpoints``): no run directory
+    # is around them, so the root itself is what must not be written over or into.
+    root = tmp_path / "my_ckpts"
+    policy = build_tiny_policy(tiny_spec(preset("tiny-grpo"), DIGITS.vocab_size), seed=0)
+    for step in (1, 2):
+        save_checkpoint(root, step, weights={"actor": dict(policy.named_parameters())},
+                        optimizers={}, state={"step": step})
+    step_dir = root / "step_000002"
+    for dest, why in ((root, f"is the source run ({root})"),
+                      (root / "hf", f"lies inside the source run ({root})")):
+        with pytest.raises(ExportDestError, match=re.escape(why)):
+            check_export_dest(dest, step_dir, overwrite=True)
+    assert check_export_dest(tmp_path / "hf", step_dir, overwrite=True) == tmp_path / "hf"
+
+
+def model_folder(path: Path) -> None:
+    path.mkdir(parents=True)
+    for name in ("config.json", WEIGHTS_FILE):
+        (path / name).write_text("{}")
+
+
+def adapter_folder(path: Path) -> None:
+    path.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (path / name).write_text("{}")
+
+
+def test_overwrite_replaces_an_export_with_nothing_but_its_own_folders(tmp_path: Path) -> None:
+    # An earlier export may hold the adapter folder (and, in a LoRA run's layout, merged/ and
+    # base/ model folders) and nothing else: a folder of the user's beside the model files,
+    # a stray file in adapter/, or a sub-folder of merged/ makes it not an export.
+    def layout(kind: str, *, extra: str | None = None) -> Path:
+        d = tmp_path / f"{kind}_{len(list(tmp_path.iterdir()))}"
+        if kind.startswith("model"):
+            model_folder(d)
+        else:  # a LoRA run's export
+            adapter_folder(d / "adapter")
+            model_folder(d / "merged")
+            model_folder(d / "base")
+        if kind == "model_with_adapter":
+            adapter_folder(d / "adapter")
+        if extra is not None:
+            (d / extra).parent.mkdir(parents=True, exist_ok=True)
+            (d / extra).write_text("mine\n")
+        return d
+
+    def refused(d: Path) -> bool:
+        try:
+            check_export_dest(d, None, overwrite=True)
+        except ExportDestError as e:
+            return "is not an earlier export" in str(e)
+        return False
+
+    for d in (layout("model"), layout("model_with_adapter"), layout("lora")):
+        assert check_export_dest(d, None, overwrite=True) == d  # an export: replaced
+    not_exports = [layout("model", extra="src/train.py"),
+                   layout("model_with_adapter", extra="src/train.py"),
+                   layout("model_with_adapter", extra="adapter/notes.md"),
+                   layout("lora", extra="merged/src/train.py"),
+                   layout("lora", extra="notes/a.md")]
+    accepted = [d.name for d in not_exports if not refused(d)]
+    assert accepted == [], f"--overwrite would replace (delete) these folders: {accepted}"

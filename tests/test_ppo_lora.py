@@ -25,6 +25,7 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.lora import LoraConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
+from avrid.workers import WorkerIdentity
 from tests.test_ppo_trainer import algorithmic
 
 pytestmark = pytest.mark.chapter(5)
@@ -91,6 +92,42 @@ def test_adapters_start_as_the_base_train_alone_and_switch_off_for_the_reference
     assert torch.equal(model(x).logits, adapted)
     with pytest.raises(ValueError, match="matched no linear layer"):
         lora.attach(policy(), LoraConfig(rank=2, target_modules="nonexistent"), seed=0)
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if lora.is_adapter(n)}
+
+
+def test_the_adapters_start_from_the_seed_whatever_was_drawn_before() -> None:
+    # Two runs with the same seed start from the same A even when their processes drew
+    # different random numbers before (a worker that built a critic, a resumed run); a
+    # different seed gives a different A. Through the policy role too: from `train.seed`.
+    config = LoraConfig(rank=RANK, alpha=ALPHA)
+    torch.manual_seed(0)
+    model = policy()
+    state = torch.random.get_rng_state()
+    first = adapters(lora.attach(model, config, seed=5))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the run's own draws untouched
+    torch.manual_seed(1)
+    torch.rand(7)
+    again = adapters(lora.attach(policy(), config, seed=5))
+    assert again.keys() == first.keys()
+    assert all(torch.equal(t, first[n]) for n, t in again.items()), "same seed, other adapters"
+    other = adapters(lora.attach(policy(), config, seed=6))
+    assert not any(torch.equal(t, first[n]) for n, t in other.items() if ".lora_A." in n)
+
+    def role_adapters(seed: int, noise: int) -> dict[str, torch.Tensor]:
+        cfg = with_overrides(preset("tiny-grpo"), [f"lora.rank={RANK}", f"train.seed={seed}"])
+        worker = PolicyWorker(WorkerIdentity(role="policy", rank=0, world_size=1), config=cfg,
+                              vocab_size=16, eos_id=1, pad_id=0, max_response_tokens=4)
+        torch.manual_seed(noise)  # what the process drew before: not the adapters' business
+        return adapters(worker._adapt(policy()))
+
+    run = role_adapters(3, noise=0)
+    assert all(torch.equal(t, run[n]) for n, t in role_adapters(3, noise=1).items()), \
+        "the same train.seed gave other adapters"
+    assert not any(torch.equal(t, run[n]) for n, t in role_adapters(4, noise=0).items()
+                   if ".lora_A." in n)
 
 
 def test_the_merged_weights_are_w_plus_scaled_ba_and_compute_the_adapted_function() -> None:

@@ -2,13 +2,17 @@
 vLLM (the real engine is the vllm tier's: `tests/test_ppo_vllm_lora.py`).
 
 The stand-in is chapter 5's recording torch engine (`test_hybrid_handoff.py`) taught vLLM's
-adapter calls: `load_adapter` keeps what vLLM's kernels would hold (`vllm_lora.held_form`:
-A, and B scaled) and serves W + B' A over the base it was first loaded with;
-`adapter_checksums` fingerprints what it keeps. Checked through a training step:
+adapter calls. Like vLLM it copies what it is sent into buffers of its own and folds the
+scaling alpha / r into B (vLLM's `LoRALayerWeights.optimize`), then serves W + B' A over the
+base it was first loaded with; `adapter_checksums` fingerprints its copies. It never calls
+avrid's `held_form` (what avrid predicts vLLM holds), and what it must serve is computed by
+PEFT (`get_delta_weight`: PEFT's own merge), so neither side of a check is built from the
+code it checks. Through three training steps (A moves only from the second: B starts at 0):
 
 - the base is loaded once, at setup; every sync after it sends only the adapter, under the
   driver's version, and the engine sleeps at level 1 (it keeps its base) instead of 2;
-- what the engine serves after an update is the actor's merged W + (alpha / r) B A;
+- after each update the engine holds the live A and alpha / r times the live B (copies, by
+  value) and serves PEFT's merged W + (alpha / r) B A; avrid's predicted held form agrees;
 - `sync/engine_bytes` is the adapter's size, a fraction of the model's;
 - an engine that misses an adapter load is caught, naming the version and the tensors.
 """
@@ -23,8 +27,8 @@ import torch
 from avrid.dispatch import Batch, Shard
 from avrid.ppo.data.columns import Totals
 from avrid.ppo.engines.torch_engine import TorchEngine
-from avrid.ppo.engines.vllm_lora import PEFT_PREFIX, held_form
-from avrid.ppo.roles import fsdp, handoff, lora
+from avrid.ppo.engines.vllm_lora import PEFT_PREFIX, peft_key
+from avrid.ppo.roles import handoff, lora
 from avrid.ppo.roles.generation import build_engine
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -55,7 +59,11 @@ class AdapterServingEngine(RecordingEngine):
         if self.skip_loads:
             return
         dtype = next(self.model.parameters()).dtype
-        self.held = held_form(tensors, config["lora_alpha"] / config["r"], dtype)
+        scaling = config["lora_alpha"] / config["r"]
+        self.held = {}
+        for key, t in tensors.items():  # copies: what was sent may change after the call
+            held = t.detach().to(dtype, copy=True)
+            self.held[key] = held * scaling if ".lora_B." in key else held
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for key, a in self.held.items():
@@ -115,17 +123,55 @@ def test_the_adapter_sync_sends_the_base_once_then_only_adapters_checked(monkeyp
     model_bytes = sum(p.numel() * 4 for n, p in worker.model.named_parameters()
                       if not lora.is_adapter(n))
     assert engine_bytes == worker.adapter_sync.adapter_bytes < model_bytes / 5
+    served_as_peft_merges(worker)
+    a_before = {n: p.detach().clone() for n, p in worker.model.named_parameters()
+                if ".lora_A." in n}
 
-    # What the engine serves is the actor's merged W + (alpha / r) B A.
-    merged = lora.merged_local_shards(worker.model, fsdp.local_shards(worker.model))
-    served = worker.engine.model.state_dict()
-    assert any(not torch.equal(worker.engine.base[n], merged[n]) for n in merged)  # trained
-    for name, tensor in merged.items():
-        torch.testing.assert_close(served[name], tensor, rtol=0, atol=1e-6)
-
-    # A load that does not happen is caught by the read-back, with the version.
+    # The second update moves A too (its gradient is B^T ..., and B is no longer 0): an A
+    # the engine still holds from before is stale.
     worker.update(shard, totals=Totals.of(batch, 4), step=1)
+    params = dict(worker.model.named_parameters())
+    assert any(not torch.equal(params[n], a) for n, a in a_before.items())
+    worker.sync_weights(version=2)
+    served_as_peft_merges(worker)
+
+    # A load that does not happen is caught by the read-back, with the version; the engine
+    # still serves the previous adapter.
+    worker.update(shard, totals=Totals.of(batch, 4), step=2)
     worker.engine.skip_loads = True
-    with pytest.raises(StaleWeightsError, match=r"version 2.*differ: \[.*lora_B"):
-        worker.sync_weights(version=2)
+    with pytest.raises(StaleWeightsError, match=r"version 3.*differ: \[.*lora_"):
+        worker.sync_weights(version=3)
+    assert any(not torch.equal(m, served) for m, served in peft_and_served(worker).values())
     worker.close()
+
+
+def peft_and_served(worker: PolicyWorker) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Served name -> (W + delta by PEFT's own merge of the live actor, what the engine
+    serves) for every adapted weight."""
+    served = worker.engine.model.state_dict()
+    out = {}
+    for name, layer in lora.lora_layers(worker.model):
+        with torch.no_grad():
+            merged = layer.base_layer.weight + layer.get_delta_weight(lora.ADAPTER)
+        out[f"{name}.weight"] = (merged, served[f"{name}.weight"])
+    return out
+
+
+def served_as_peft_merges(worker: PolicyWorker) -> None:
+    """The engine holds copies of the live A and of (alpha / r) times the live B, which
+    avrid's prediction of vLLM's held form (`AdapterSync.held_local`) matches, and serves
+    PEFT's merged weights."""
+    cfg = worker.config.lora
+    params = dict(worker.model.named_parameters())
+    held = worker.engine.held
+    predicted = worker.adapter_sync.held_local(worker.model)
+    for name in (n for n in params if lora.is_adapter(n)):
+        key, live = peft_key(name), params[name].detach()
+        want = live * (cfg.alpha / cfg.rank) if ".lora_B." in name else live
+        assert held[key].data_ptr() != live.data_ptr()  # a copy, not the live parameter
+        assert torch.equal(held[key], want), f"{key}: the engine does not hold the live value"
+        assert torch.equal(predicted[key], held[key]), key
+    pairs = peft_and_served(worker)
+    assert pairs and any(not torch.equal(worker.engine.base[n], m) for n, (m, _) in pairs.items())
+    for name, (merged, served) in pairs.items():
+        torch.testing.assert_close(served, merged, rtol=0, atol=1e-6, msg=name)

@@ -89,15 +89,16 @@ def test_the_command_on_ray_prints_no_escape_codes_or_warnings_and_starts_the_ba
     assert "\x1b[" not in text, repr(text)  # no colour codes: not from Ray, not at exit
     warnings = [line for line in re.split(r"[\r\n]", text) if "warning" in line.lower()]
     assert not warnings, text
-    # The plain line first, then the untrained validation, then the bar (its clock starts
-    # with the first step, so its first rate is the step's, not Ray's start-up).
+    # The plain line first, then the untrained validation, then the progress (its clock
+    # starts with the first step, so its rate is the steps', not Ray's start-up). Not a
+    # terminal here (a pipe, like a CI log): plain progress lines, no bar redrawn with "\r".
     starting = text.index("starting 5 workers on Ray ...")
     step0 = text.index("step 0 | val/reward")
-    bar = text.index("0/2 [")
-    assert starting < step0 < bar, text
-    # The worker's line: whole, alone on its line (what follows the line's last "\r").
-    shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
-    relayed = [line for line in shown if "scoring " in line]
+    progress = text.index("step 2/2 (100%) |")
+    assert starting < step0 < progress, text
+    assert "\r" not in text, repr(text)
+    # The worker's line: whole, alone on its line.
+    relayed = [line for line in text.split("\n") if "scoring " in line]
     assert len(relayed) == 1 and relayed[0].startswith("(RewardWorker pid="), text
     assert "finished" in text.splitlines()[-1], text
 
@@ -136,9 +137,16 @@ def test_the_vllm_command_shows_avrids_own_lines_only(tmp_path: Path) -> None:
     assert text.count("NUMA binding") <= 2, text  # once per policy rank's engine
 
 
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: the bar is drawn (and redrawn in place) there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_lines_printed_while_the_bar_is_shown_go_above_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    screen = io.StringIO()  # one terminal for the bar, stdout and stderr
+    screen = Terminal()  # one terminal for the bar, stdout and stderr
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.setattr(sys, "stderr", screen)
     bar = Progress(3, file=screen)
@@ -165,6 +173,40 @@ def test_lines_printed_while_the_bar_is_shown_go_above_it(
                     "part and the rest"):
         assert printed in shown, shown
     assert "2/3" in screen.getvalue()
+
+
+def test_where_stderr_is_not_a_terminal_a_plain_line_every_ten_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CI log or a batch job's file: no bar redrawn with "\r" (300 updates in one line of
+    # `make demo`'s log), a plain line every 10 steps instead, at the last step too.
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    stdout, redirected = sys.stdout, set()
+    with Progress(30) as bar:
+        for step in range(1, 31):
+            val = {"val/reward": 0.5} if step == 25 else {}
+            bar.update(step, {"train/reward": step / 30, "time/step": 0.5, **val})
+            redirected.add(sys.stdout is not stdout)
+    text = log.getvalue()
+    assert "\r" not in text and "\x1b[" not in text, repr(text[:300])
+    assert redirected == {False}  # nothing is redrawn: printed lines go as they are
+    lines = text.splitlines()
+    assert [line.split(" |")[0] for line in lines] == [
+        "step 10/30 (33%)", "step 20/30 (66%)", "step 30/30 (100%)"]
+    assert "reward=0.333" in lines[0] and "val=0.5" in lines[2]  # the latest of each number
+    # A resumed run that stops early: its last line says where; every M seconds (here 0)
+    # a line all the same.
+    log.truncate(0)
+    log.seek(0)
+    with Progress(30, initial=20) as bar:
+        bar.update(25)
+    assert log.getvalue().startswith("step 25/30 (83%) |")
+    log.truncate(0)
+    log.seek(0)
+    with Progress(30, every_s=0.0) as bar:
+        for step in (1, 2, 3):
+            bar.update(step)
+    assert len(log.getvalue().splitlines()) == 3
 
 
 def test_a_disabled_bar_leaves_the_streams_alone(capsys: pytest.CaptureFixture[str]) -> None:

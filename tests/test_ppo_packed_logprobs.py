@@ -314,3 +314,29 @@ def test_flash_attention_is_picked_for_bf16_only_and_refused_for_fp32(
     assert "bf16/fp16 only, but model.dtype='float32'" in str(caught.value)
     with_overrides(PPOConfig(), [*cuda, "memory.attention=flash_attention_2",
                                  "model.dtype=bfloat16"])  # allowed
+
+
+def test_with_grad_only_one_chunks_logits_are_ever_kept_for_backward() -> None:
+    # The memory check (`benchmarks/train_memory.py` measures the lean trainer's peak): what
+    # autograd keeps between forward and backward, counted by storage. Checkpointed, a
+    # chunk's logits are recomputed in backward, so the forward keeps next to nothing; kept,
+    # every chunk's (positions x vocab) logits and softmax would stay until backward.
+    head = torch.nn.Linear(16, 1000, bias=False)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(256, 16, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 1000, (256,), generator=g)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = chunked_logprobs(hidden, head, tokens, 0.7, chunk=32, with_entropy=True)
+    logits_bytes = 256 * 1000 * 4  # one (positions x vocab) fp32 tensor, all chunks
+    total = sum(kept.values())
+    assert total <= logits_bytes / 8 + hidden.nbytes + head.weight.nbytes, \
+        f"{total} bytes kept for backward in {len(kept)} tensors (all logits: {logits_bytes})"
+    (logp.sum() + ent.sum()).backward()  # and it still backpropagates
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
