@@ -151,7 +151,8 @@ class TrainConfig:
     """Resume from this step directory instead of the latest (implies `resume`): a path, or
     a name in out_dir/checkpoints such as "step_000050". For when the latest is damaged."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show progress: a bar on a terminal; where stderr is not one (a CI log, a batch job),
+    a plain line every 10 steps or 60 s, and at the last step."""
     samples_per_step: int = 4
     """Rollout samples written to samples.jsonl each step."""
     tensorboard: bool = False
