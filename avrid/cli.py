@@ -11,6 +11,10 @@
                             for its latest checkpoint, a checkpoints/ root or a step directory;
                             a LoRA run: DEST/adapter, the PEFT adapter, DEST/base, the base it
                             names, and with --merged DEST/merged, the merged model)
+    avrid eval TARGET       evaluate a run's latest checkpoint, a step directory or an export
+                            (`avrid eval --initial`: the model before training): greedy and
+                            sampled pass@k, mean reward, response lengths -> eval.jsonl and
+                            eval_summary.json, by default in RUN/eval/step_N/
     avrid chapters          list the chapters and how to run each demo
     avrid demo ch01         run a chapter's demo (same as `python -m chapters.ch01_workers`)
     avrid demo all          run every chapter's demo in order
@@ -18,9 +22,9 @@
 
 It sits above every layer and holds no logic of its own: each subcommand that runs the
 library is a file of `avrid.commands` (`ppo.py`: where a config comes from, `PPO_SOURCES`;
-`export.py`), which parses its arguments and calls one library function; each demo lives in
-its chapter package. Chapters are run from the source checkout, so `demo` needs the
-repository that avrid was installed from (``pip install -e .``).
+`export.py`; `eval.py`), which parses its arguments and calls one library function; each
+demo lives in its chapter package. Chapters are run from the source checkout, so `demo`
+needs the repository that avrid was installed from (``pip install -e .``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import runpy
 import sys
 from pathlib import Path
 
+from avrid.commands import eval as evaluate
 from avrid.commands import export, ppo
 from avrid.commands.ppo import ALGOS
 
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("chapter", help="e.g. ch01, ch01_workers, or all")
     ppo.add_parser(sub, sys.argv[1:] if argv is None else argv)
     export.add_parser(sub)
+    evaluate.add_parser(sub)
     args = parser.parse_args(argv)
 
     if args.command == "ppo":
@@ -94,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "export":
         export.run(args)
+        return
+    if args.command == "eval":
+        evaluate.run(args)
         return
 
     if args.command == "chapters":

@@ -48,6 +48,15 @@ def fail(command: str, error: BaseException, *, debug: bool) -> NoReturn:
     sys.exit(2)
 
 
+def import_from_cwd() -> None:
+    """Let the user's modules be imported from where the command runs: a custom task
+    (`--task my_tasks:make_task`) or reward function is looked up there, by the driver and
+    by every Ray worker process (hence PYTHONPATH too)."""
+    sys.path.insert(0, os.getcwd())
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def ray_running() -> bool:
     """Whether this process is connected to Ray (imported only if something imported it)."""
     ray = sys.modules.get("ray")

@@ -20,7 +20,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from avrid.commands.common import USER_ERRORS, fail, need_ppo_extra, ray_running, stop_ray
+from avrid.commands.common import (
+    USER_ERRORS,
+    fail,
+    import_from_cwd,
+    need_ppo_extra,
+    ray_running,
+    stop_ray,
+)
 
 if TYPE_CHECKING:  # annotations only: the command imports avrid.ppo when it runs
     from avrid.ppo.setup.config import PPOConfig
@@ -115,11 +122,7 @@ def run(args: argparse.Namespace) -> None:
         sets.append("train.resume=true")
     if args.backend == "inprocess":  # threads cannot form an FSDP group: one rank per role
         sets += ["placement.actor_dp=1", "placement.critic_dp=1"]
-    # A custom task module (`--task my_tasks:make_task`) is looked up from where you run the
-    # command, by the driver and by every Ray worker process (hence PYTHONPATH too).
-    sys.path.insert(0, os.getcwd())
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    import_from_cwd()
     try:  # a --set comes after the flags' assignments, so it wins over them
         config = with_overrides(first_config(args), sets + args.overrides)
     except (ValueError, TypeError, OSError) as e:  # OSError: a --config file not readable

@@ -372,13 +372,18 @@ class Trainer:
         r = self.config.rollout
         prompts = prompt_batch(self.val_set, range(len(self.val_set)), repeats=1, first_id=0,
                                split=VAL)
-        gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
-                         greedy=r.val_greedy, seed=step_seed(self.config, -1))
-        batch = with_responses(prompts, gen.batch)
-        scored = run_shards(self.reward, RewardWorker.score, batch.only(*SCORE_READS))
-        return {"val/reward": float(scored.batch.scalars["score"].mean()),
+        batch = self.scored_responses(prompts, greedy=r.val_greedy,
+                                      seed=step_seed(self.config, -1))
+        return {"val/reward": float(batch.scalars["score"].mean()),
                 "val/response_len": float(batch.response_lens.float().mean()),
                 "val/truncation_rate": float(batch.scalars["truncated"].float().mean())}
+
+    def scored_responses(self, prompts: Batch, *, greedy: bool, seed: int) -> Batch:
+        """`prompts` with the policy's responses (one per row, up to the response budget)
+        and their "score" column: what validation and `avrid eval` (`evaluate.py`) read."""
+        gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
+                         greedy=greedy, seed=seed)
+        return self.score(with_responses(prompts, gen.batch))[0]
 
 
 def step_seed(config: PPOConfig, step: int) -> int:
