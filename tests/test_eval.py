@@ -23,6 +23,7 @@ from avrid.ppo.algo.pass_at_k import mean_pass_at_k, pass_at_k
 from avrid.ppo.driver.eval_target import resolve_target
 from avrid.ppo.driver.run import train
 from avrid.ppo.outputs.metrics import read_metrics
+from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from tests.test_cli_config import run_main
@@ -120,7 +121,7 @@ def test_eval_of_a_checkpoint_gives_the_validation_reward_logged_at_its_step(
 def test_eval_writes_a_row_per_prompt_with_every_sample_and_a_summary_of_them(
         run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     summary = evaluated(capsys, str(run), *FAST, "--pass-threshold", "0.3", "--out",
-                        str(run.parent / "shape"))
+                        str(run.parent / "shape"), "--temperature", "0.7")
     rows = [json.loads(line) for line in (run.parent / "shape" / "eval.jsonl").open()]
     assert [r["index"] for r in rows] == list(range(PROMPTS))
     for r in rows:
@@ -143,6 +144,19 @@ def test_eval_writes_a_row_per_prompt_with_every_sample_and_a_summary_of_them(
     assert summary["sampled/response_len_max"] == max(lengths)
     assert summary["sampled/response_len"] == pytest.approx(sum(lengths) / (4 * PROMPTS))
     assert (summary["samples"], summary["pass_threshold"], summary["split"]) == (4, 0.3, "val")
+    assert summary["temperature"] == 0.7
+
+
+def test_eval_on_the_training_prompts_of_another_task_set_over_the_checkpoints(
+        run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "train"
+    summary = evaluated(capsys, str(run), "--split", "train", "--prompts", "5", "--samples",
+                        "0", "--set", "task.options=op:reverse,length:3", "--out", str(out))
+    rows = [json.loads(line) for line in (out / "eval.jsonl").open()]
+    train_split = load_task("digits", op="reverse", length=3).train_prompts()
+    assert [(r["prompt"], r["answer"]) for r in rows] == [
+        (train_split[i].text, train_split[i].answer) for i in range(5)]
+    assert (summary["split"], summary["prompts"]) == ("train", 5)
 
 
 def test_eval_of_the_runs_export_and_of_a_copy_elsewhere_gives_the_last_validation(
@@ -191,6 +205,8 @@ def test_eval_refuses_to_replace_an_evaluation_without_force_and_keeps_other_fil
     ([], "give a TARGET (a run, checkpoint or export directory) or --initial, not neither"),
     (["{run}", "--initial"], "or --initial, not both"),
     (["{run}", "--preset", "tiny-grpo"], "brings its run's config; change parts of it with --set"),
+    (["--initial", "--preset", "tiny-agent", "--backend", "inprocess"],
+     "is a multi-turn (agent) task; avrid eval scores single-turn tasks"),
 ])
 def test_a_bad_eval_command_is_one_line_and_exit_2(
         run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str],
@@ -216,3 +232,24 @@ def test_a_lora_export_is_evaluated_by_its_merged_policy(tmp_path: Path) -> None
     shutil.rmtree(tmp_path / "x" / "merged")  # exported without --merged
     with pytest.raises(ValueError, match=r"without the merged policy \(merged/\).*--merged"):
         resolve_target(tmp_path / "x")
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.timeout(400)
+def test_eval_with_vllm_on_ray_gives_the_validation_reward_logged_at_its_step(
+        tmp_path: Path) -> None:
+    """The same check with the vLLM engine in each policy rank, on Ray (`vllm` tier): the
+    checkpoint is loaded into vLLM through the first weight sync, as a resumed run's is."""
+    from avrid.ppo.driver.evaluate import EvalOptions, eval_config, evaluate
+
+    out = tmp_path / "run"
+    train(with_overrides(preset("tiny-ppo-vllm"), [
+        *TASK, "train.steps=2", "train.prompts_per_step=4", "algo.responses_per_prompt=4",
+        "train.mini_batch_size=16", "train.val_every=2", "train.progress=false",
+        f"train.out_dir={out}"]))
+    target = resolve_target(out)
+    options = EvalOptions(samples=2, ks=(1, 2))
+    report = evaluate(eval_config(target.config, target, options), target, options)
+    assert target.step == 2 and report.summary["greedy/reward"] == logged_val(out)[2]
+    assert [len(r["samples"]) for r in report.rows] == [2] * PROMPTS

@@ -68,7 +68,8 @@ class EvalTarget:
     """Where the evaluation is written without --out; None: the config decides
     (`default_out_dir`)."""
     char_alphabet: str | None = None
-    """An export with the char tokenizer: its alphabet, which the task's must equal."""
+    """A checkpoint or export with the char tokenizer: its alphabet, which the task's must
+    equal (the model's vocabulary is one token per character of it)."""
 
     def prepared(self, config: PPOConfig) -> PPOConfig:
         """`config` set to load this target: an export becomes ``model.path`` (its tokenizer:
@@ -111,9 +112,12 @@ def resolve_target(target: str | Path) -> EvalTarget:
     # judges nothing here, so it is not read back.
     weights = {"actor": resume_weights(ck)[0]["actor"]}
     run = run_directory(step_dir) or step_dir.parent
+    tokenizer = ck.state.get("tokenizer") or {}
     return EvalTarget(kind="checkpoint", path=step_dir, step=ck.step,
                       config=_recorded(ck.state["config"], step_dir / "state.json"),
-                      weights=weights, default_out=run / "eval" / step_dir.name)
+                      weights=weights, default_out=run / "eval" / step_dir.name,
+                      char_alphabet=tokenizer.get("alphabet") if tokenizer.get("kind") == "char"
+                      else None)
 
 
 def initial_target() -> EvalTarget:

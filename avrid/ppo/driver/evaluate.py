@@ -102,15 +102,21 @@ def evaluate(config: PPOConfig, target: EvalTarget, options: EvalOptions) -> Eva
     started and stopped here.
 
     Raises:
-        ValueError: the config, the task or the target do not fit together (an export's
-            alphabet that is not the task's, a model that does not load); as training would.
+        ValueError: the config, the task or the target do not fit together (a char
+            tokenizer's alphabet that is not the task's, a multi-turn task, a model that
+            does not load), as training would refuse them.
     """
     with Trainer(config) as trainer:
-        if target.char_alphabet is not None and trainer.tokenizer.alphabet != target.char_alphabet:
-            raise ValueError(f"the export's char tokenizer has the alphabet "
-                             f"{target.char_alphabet!r}, the task's is "
-                             f"{trainer.tokenizer.alphabet!r}: evaluate it on a task with "
-                             f"its alphabet (--set task.*)")
+        # Chapter 7's multi-turn tasks (`avrid.agents.env.is_agent_task`: a layer above this
+        # one) run episodes with tools, which this single-turn evaluation does not.
+        if hasattr(trainer.task, "make_env"):
+            raise ValueError(f"task {config.task.name!r} is a multi-turn (agent) task; avrid "
+                             f"eval scores single-turn tasks (one response per prompt)")
+        alphabet = getattr(trainer.tokenizer, "alphabet", None)
+        if target.char_alphabet is not None and alphabet != target.char_alphabet:
+            raise ValueError(f"the {target.kind}'s char tokenizer has the alphabet "
+                             f"{target.char_alphabet!r}, the task's is {alphabet!r}: "
+                             f"evaluate it on a task with that alphabet (--set task.*)")
         trainer.start(target.weights, step=target.step or 0)
         pset, split = ((trainer.val_set, VAL) if options.split == "val"
                        else (trainer.train_set, TRAIN))
