@@ -8,7 +8,8 @@ worker scores. Two passes over the same prompts:
 
     greedy    one response per prompt, greedy, with validation's seed: on the validation
               prompts of a checkpoint's run this is the ``val/reward`` the run logged at
-              that step, exactly (same prompts, same call, same weights)
+              that step, exactly (same prompts, same call, same weights; validation is
+              greedy unless the run set ``rollout.val_greedy=false``)
     sampled   `samples` responses per prompt at ``rollout.temperature`` (and top-k/top-p),
               for pass@k with the unbiased estimator (`algo/pass_at_k.py`) and the mean reward
 
