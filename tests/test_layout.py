@@ -22,7 +22,7 @@ PPO = ROOT / "avrid" / "ppo"
 MAX_LINES = 400
 
 STEP_FILES = [
-    "driver/trainer.py", "data/prompts.py", "roles/policy.py", "roles/reward.py",
+    "driver/trainer.py", "data/prompts.py", "roles/policy.py", "driver/scoring.py",
     "roles/critic.py", "data/columns.py", "data/credit.py", "data/dynamic_sampling.py",
     "algo/losses.py",
 ]

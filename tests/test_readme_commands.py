@@ -69,6 +69,9 @@ CONFIG_ONLY = {
                                 "runs tiny-ppo-vllm on the vLLM tier)",
     "avrid ppo --address auto": "a Ray cluster started with `ray start` "
                                 "(tests/test_ray_multinode.py runs one on two nodes)",
+    "avrid ppo --set reward_model.path=": "a local reward model checkpoint "
+                                          "(tests/test_ppo_reward_model.py builds a tiny "
+                                          "one and trains in each placement)",
 }
 """Command prefix -> what it needs that a test here lacks; its config is built all the same."""
 

@@ -28,6 +28,7 @@ from avrid.agents.worker import AgentPolicyWorker, sandbox_for
 from avrid.dispatch import Batch
 from avrid.ppo.data.columns import with_responses
 from avrid.ppo.data.prompts import VAL, prompt_batch
+from avrid.ppo.driver.scoring import Phase
 from avrid.ppo.driver.trainer import Trainer, step_seed
 from avrid.ppo.setup.config import PPOConfig
 from avrid.results import Merged, Phases, WorkerResult, run_shards
@@ -40,9 +41,10 @@ class EpisodeSteps:
     these methods replace the trainer's): no reward call, the episode metrics, validation
     on episodes."""
 
-    def score(self, batch: Batch) -> tuple[Batch, Merged]:
-        """The environment has scored every episode already (its "score" column): no call."""
-        return batch, Merged(batch=batch.only(), metrics={}, results=())
+    def score(self, batch: Batch, phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
+        """The environment has scored every episode already (its "score" column): no call,
+        no phase."""
+        return batch, []
 
     def _metrics(self, batch: Batch, merged: list[Merged], phases: Phases) -> dict[str, float]:
         out = super()._metrics(batch, merged, phases)
@@ -80,6 +82,11 @@ def check_agent_task(task: object, config: PPOConfig) -> None:
                          f"so its environments give the rewards (StepResult.reward) and a "
                          f"reward function would never be called; drop {field} or give the "
                          f"task's environment that reward")
+    if config.reward_model.enabled:
+        raise ValueError(f"config field 'reward_model.path': task {config.task.name!r} is "
+                         f"multi-turn, so its environments give the rewards "
+                         f"(StepResult.reward) and a reward model would never be called; "
+                         f"drop reward_model.path")
 
 
 def check_tools(config: PPOConfig) -> None:

@@ -3,7 +3,7 @@ which micro-batches, so that no shard waits on another.
 
 Read in this order: batch.py (the atomic unit and the packed batch), cost.py (what a sequence
 costs), partition.py (Karmarkar–Karp, LPT, contiguous), differencing.py (how Karmarkar–Karp
-runs, fast), microbatch.py (token budgets),
+runs, fast), refine.py (exchanges that polish its result), microbatch.py (token budgets),
 plan.py (the frozen, invertible plan), plan_cache.py (the same shape planned once),
 send.py (through a worker group by DP coordinate).
 Everything but send.py is pure (no Ray) and runs anywhere.

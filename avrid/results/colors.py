@@ -21,7 +21,8 @@ name, once, here:
 The fixed assignment, and why (a family of related spans shares a hue family):
 
     generate        blue          the rollout, the biggest block of a step
-    reward          olive         scoring the responses
+    reward          olive         scoring the responses ...
+    reward_model    sea green     ... and a learned reward model's forward passes
     old_logp        green         the actor's forward pass over the batch ...
     ref_logp        light green   ... and the reference model's: two log-prob passes
     values          purple        the critic's forward pass
@@ -55,6 +56,7 @@ SPAN_COLORS: Mapping[str, str] = MappingProxyType({
     # chapter 5's phases, in the order a step runs them (tab20 index in the comment)
     "generate": "#1f77b4",          # 0  blue
     "reward": "#bcbd22",            # 16 olive
+    "reward_model": "#1b9e77",      # Dark2 0: sea green
     "old_logp": "#2ca02c",          # 4  green
     "ref_logp": "#98df8a",          # 5  light green
     "values": "#9467bd",            # 8  purple

@@ -133,8 +133,9 @@ def main() -> int:
         gap = max(r["rollout/logprob_gap_max"] for r in rows)
         ok &= check(f"rollout and trainer log-probs agree: largest gap {gap:.1e} < {MAX_GAP}",
                     gap < MAX_GAP)
-        ok &= check(f"the timeline shows all {len(PHASES)} phases, once each, in order: "
-                    + " -> ".join(phase_order(timeline)), phase_order(timeline) == list(PHASES))
+        step = [p for p in PHASES if p != "reward_model"]  # the demo has no reward model
+        ok &= check(f"the timeline shows all {len(step)} phases, once each, in order: "
+                    + " -> ".join(phase_order(timeline)), phase_order(timeline) == step)
         ok &= check(f"validation reward went up: {before:.3f} -> {after:.3f}", after > before)
         ok &= check("the weight sync moved bytes every step",
                     all(r["sync/bytes_per_rank"] > 0 for r in rows))

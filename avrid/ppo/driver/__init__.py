@@ -5,13 +5,15 @@ Read in this order:
 1. placement.py  where each role runs: pools and role specs from the config (chapter 1)
 2. trainer.py    `Trainer`: start the workers, `train_step` (the step as named phases),
                  validation, `state` (the whole weights, for tests)
-3. saving.py     a checkpoint of a running trainer: every rank writes its own shards, the
+3. scoring.py    `score_batch`: a batch's "reward" phase and, with a reward model, its
+                 "reward_model" phase, combined by weight
+4. saving.py     a checkpoint of a running trainer: every rank writes its own shards, the
                  driver its position and RNG states; what a resume hands `Trainer.start`
-4. run.py        `train`: the whole run around the trainer — resume, validation cadence,
+5. run.py        `train`: the whole run around the trainer — resume, validation cadence,
                  metrics, samples, checkpoints, plots, export (what `avrid ppo` calls)
-5. stopping.py   Ctrl-C and a scheduler's SIGTERM stop a run alike (what `avrid ppo` sets)
-6. eval_target.py  what `avrid eval` evaluates: a checkpoint, an export or the initial model,
+6. stopping.py   Ctrl-C and a scheduler's SIGTERM stop a run alike (what `avrid ppo` sets)
+7. eval_target.py  what `avrid eval` evaluates: a checkpoint, an export or the initial model,
                    with the weights and the config each brings
-7. evaluate.py   `evaluate`: the trainer's workers, validation's call, greedy and sampled
+8. evaluate.py   `evaluate`: the trainer's workers, validation's call, greedy and sampled
                  passes, pass@k, reward and lengths (what `avrid eval` calls)
 """

@@ -2,9 +2,10 @@
 
 An evaluation is validation made thorough, and it runs on the trainer's own pieces: the
 `Trainer` starts the same workers on the same placement (Ray or in process, either rollout
-engine), loads the target as a resume does (`eval_target.py`), and each pass is
-`Trainer.scored_responses`, the call validation makes: the policy ranks generate, the reward
-worker scores. Two passes over the same prompts:
+engine), loads the target as a resume does (`eval_target.py`), and each pass makes the
+calls `Trainer.validate` makes (`scored_responses`): the policy ranks generate
+(`Trainer.generator`), the reward worker scores (`Trainer.score`, with a reward model too
+where the run has one). Two passes over the same prompts:
 
     greedy    one response per prompt, greedy, with validation's seed: on the validation
               prompts of a checkpoint's run this is the ``val/reward`` the run logged at
@@ -35,12 +36,14 @@ from typing import Any
 
 from avrid.dispatch import Batch
 from avrid.ppo.algo.pass_at_k import mean_pass_at_k
+from avrid.ppo.data.columns import with_responses
 from avrid.ppo.data.prompts import TRAIN, VAL, PromptSet, prompt_batch
 from avrid.ppo.driver.eval_target import EvalTarget
 from avrid.ppo.driver.trainer import Trainer, step_seed
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.tokenizer import response_text
+from avrid.results import run_shards
 
 SPLITS = ("val", "train")
 """The prompt splits an evaluation reads."""
@@ -124,19 +127,28 @@ def evaluate(config: PPOConfig, target: EvalTarget, options: EvalOptions) -> Eva
         count = min(len(pset), options.prompts or config.train.val_prompts)
         if count == 0:
             raise ValueError(f"the task has no {options.split} prompts to evaluate on")
-        # The greedy pass is validation's call, to the letter (`Trainer.validate`).
-        greedy = trainer.scored_responses(
-            prompt_batch(pset, range(count), repeats=1, first_id=0, split=split),
+        # The greedy pass is validation's, to the letter (`Trainer.validate`).
+        greedy = scored_responses(
+            trainer, prompt_batch(pset, range(count), repeats=1, first_id=0, split=split),
             greedy=True, seed=step_seed(config, -1))
         sampled = None
         if options.samples:
             seed = step_seed(config, -1) + 1 if options.seed is None else options.seed
-            sampled = trainer.scored_responses(
-                prompt_batch(pset, range(count), repeats=options.samples, first_id=count,
-                             split=split), greedy=False, seed=seed)
+            sampled = scored_responses(
+                trainer, prompt_batch(pset, range(count), repeats=options.samples,
+                                      first_id=count, split=split), greedy=False, seed=seed)
         rows = _rows(trainer, pset, count, greedy, sampled, options)
     return EvalReport(rows=rows, summary=_summary(config, target, options, greedy, sampled,
                                                   [r["passed"] for r in rows]))
+
+
+def scored_responses(trainer: Trainer, prompts: Batch, *, greedy: bool, seed: int) -> Batch:
+    """`prompts` with the trainer's policy's responses (one per row, up to its response
+    budget) and their "score" column: the two calls `Trainer.validate` makes, with its
+    arguments (tests/test_eval.py checks that the greedy pass gives its reward)."""
+    gen = run_shards(*trainer.generator(), prompts, None, max_new_tokens=trainer.max_response,
+                     greedy=greedy, seed=seed)
+    return trainer.score(with_responses(prompts, gen.batch))[0]
 
 
 def _responses(trainer: Trainer, batch: Batch, threshold: float) -> list[dict[str, Any]]:
@@ -188,6 +200,8 @@ def _summary(config: PPOConfig, target: EvalTarget, options: EvalOptions, greedy
         "greedy/reward": float(scores.mean()),
         "greedy/pass@1": float((scores >= options.pass_threshold).float().mean()),
         **_lengths(greedy, "greedy")}
+    if "model_score" in greedy.scalars:  # with a reward model: its share, as validation logs
+        out["greedy/model_score"] = float(greedy.scalars["model_score"].mean())
     if sampled is not None:
         out["sampled/reward"] = float(sampled.scalars["score"].mean())
         for k in options.ks:

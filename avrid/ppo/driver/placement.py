@@ -4,12 +4,17 @@ Roles and their workers:
 
     policy   PolicyWorker   actor + reference + rollout (the hybrid engine), actor_dp ranks
     critic   CriticWorker   PPO only, critic_dp ranks
-    reward   RewardWorker   one rank: verifiable rewards are cheap
+    reward        RewardWorker       one rank: verifiable rewards are cheap
+    reward_model  RewardModelWorker  with reward_model.path only; where reward_model.placement
+                                     says: "critic" (NeMo-Aligner) one rank per critic bundle,
+                                     "pool" (OpenRLHF) reward_model.dp bundles of its own,
+                                     "policy" (DeepSpeed-Chat) one rank per policy bundle
 
 The pool "policy" has one bundle per policy rank (CPUs, and one GPU each on CUDA). The critic
 shares those bundles (colocated, each worker taking a share) or, with
 ``placement.colocate_critic=False``, gets a pool of its own. The reward worker sits in the
-first policy bundle with a small CPU share, since it runs while the policy waits.
+first policy bundle with a small CPU share, since it runs while the policy waits. Roles that
+share a bundle split its CPUs and GPU equally (`_shares`).
 ``placement.strategy`` lays the bundles over a cluster's nodes (STRICT_SPREAD: one node each).
 This file only describes placement (chapter 1's `RoleSpec`s); the backend starts it.
 `critic_after_engine` says whether a colocated critic sets up after the policy's engine.
@@ -17,9 +22,13 @@ This file only describes placement (chapter 1's `RoleSpec`s); the backend starts
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.roles.reward import RewardWorker
+from avrid.ppo.roles.reward_model import RewardModelWorker
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.tokenizer import Tokenizer
 from avrid.workers import Mesh, PlacementPlan, ResourcePool, RoleSpec, plan_placement
@@ -42,7 +51,7 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
     layer that adds to them (chapter 6 adds a rollout pool)."""
     p = config.placement
     gpus = 1.0 if p.device == "cuda" else 0.0
-    share = 2 if config.algo.uses_critic and p.colocate_critic else 1
+    share, critic_share = _shares(config)
     policy_pool = ResourcePool.uniform("policy", p.actor_dp, cpus=p.cpus_per_worker, gpus=gpus,
                                        strategy=p.strategy)
     pools = [policy_pool]
@@ -62,16 +71,47 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
                                               gpus=gpus, strategy=p.strategy))
             critic_pool = "critic"
         roles.append(RoleSpec(role="critic", worker=CriticWorker, mesh=Mesh.of(dp=p.critic_dp),
-                              pool=critic_pool, cpus=p.cpus_per_worker / share,
-                              gpus=gpus / share if p.colocate_critic else gpus,
+                              pool=critic_pool, cpus=p.cpus_per_worker / critic_share,
+                              gpus=gpus / critic_share,
                               init_kwargs={"config": config, **tok}))
-    roles.append(RoleSpec(role="reward", worker=RewardWorker, mesh=Mesh.of(dp=1),
-                          pool="policy", cpus=REWARD_CPU_SHARE,
-                          init_kwargs={"task_name": config.task.name,
-                                       "task_options": dict(config.task.options),
-                                       "task_path": config.task.path, "tokenizer": tokenizer,
-                                       "rewards": dict(config.task.reward_weights)}))
+    reward = RoleSpec(role="reward", worker=RewardWorker, mesh=Mesh.of(dp=1),
+                      pool="policy", cpus=REWARD_CPU_SHARE,
+                      init_kwargs={"task_name": config.task.name,
+                                   "task_options": dict(config.task.options),
+                                   "task_path": config.task.path, "tokenizer": tokenizer,
+                                   "rewards": dict(config.task.reward_weights)})
+    roles.append(reward)
+    rm = config.reward_model
+    if rm.enabled:
+        # Its ranks read rows as the rule reward does: the same task and policy tokenizer;
+        # the path made absolute here, where the user's directory is the current one.
+        rm = dataclasses.replace(rm, path=str(Path(rm.path).resolve()))
+        kwargs = {"config": rm, "device": p.device, "reader": dict(reward.init_kwargs)}
+        if rm.placement == "pool":
+            pools.append(ResourcePool.uniform("reward_model", rm.dp, cpus=p.cpus_per_worker,
+                                              gpus=gpus, strategy=p.strategy))
+            where, n, rm_share = "reward_model", rm.dp, 1
+        elif rm.placement == "critic":
+            where, n, rm_share = ("policy" if p.colocate_critic else "critic", p.critic_dp,
+                                  critic_share)
+        else:
+            where, n, rm_share = "policy", p.actor_dp, share
+        roles.append(RoleSpec(role="reward_model", worker=RewardModelWorker,
+                               mesh=Mesh.of(dp=n), pool=where, cpus=p.cpus_per_worker / rm_share,
+                               gpus=gpus / rm_share, init_kwargs=kwargs))
     return pools, roles
+
+
+def _shares(config: PPOConfig) -> tuple[int, int]:
+    """How many roles split each policy bundle, and each critic bundle (the policy's when
+    the critic is colocated): the policy, a colocated critic, a reward model placed there."""
+    p, rm = config.placement, config.reward_model
+    critic = config.algo.uses_critic
+    with_critic = rm.enabled and rm.placement == "critic"
+    rm_on_policy = rm.enabled and (rm.placement == "policy"
+                                   or (with_critic and p.colocate_critic))
+    share = 1 + (critic and p.colocate_critic) + rm_on_policy
+    return share, (share if p.colocate_critic else 1 + with_critic)
 
 
 def critic_after_engine(config: PPOConfig) -> bool:

@@ -6,6 +6,7 @@ sequence of named, timed phases, each one dispatch (chapter 2) and one canonical
 
     generate       policy ranks sample `responses_per_prompt` responses per prompt
     reward         the reward worker scores every response (task.reward)
+    (reward_model) with reward_model.path: its ranks score them too (`scoring.py`)
     (resample)     with algo.dynamic_sampling only: all-alike groups dropped, more generated
     old_logp       policy ranks recompute log-probs with the trainer's forward pass
     ref_logp       ... and under the frozen reference (only with a KL term)
@@ -46,13 +47,16 @@ from avrid.ppo.data.prompts import (
     step_indices,
 )
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
+from avrid.ppo.driver.scoring import Phase, score_batch
 from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
-from avrid.ppo.roles.reward import SCORE_READS, RewardWorker
+from avrid.ppo.roles.reward import RewardWorker
+from avrid.ppo.roles.reward_model import RewardModelWorker
 from avrid.ppo.roles.trained import TrainedWorker, TrainerState
 from avrid.ppo.setup.catalog import load_task
 from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.reward_model import check_checkpoint
 from avrid.ppo.setup.task import Task
 from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.ppo.setup.validate import check_paths, validate
@@ -76,6 +80,8 @@ class Trainer:
                              f"the synchronous loop (pipeline.mode='sync') only")
         self.config = config
         check_paths(config)
+        if config.reward_model.enabled:  # a wrong checkpoint fails now, not in a worker
+            check_checkpoint(config.reward_model.path)
         t = config.task
         self.task: Task = load_task(t.name, **dict(t.options),
                                     **({"path": t.path} if t.path else {}))
@@ -140,6 +146,8 @@ class Trainer:
         self.cluster = backend.launch(plan)
         self.policy = self.cluster.group("policy", self.policy_worker)
         self.reward = self.cluster.group("reward", RewardWorker)
+        self.reward_model = (self.cluster.group("reward_model", RewardModelWorker)
+                             if self.config.reward_model.enabled else None)
         self.critic = (self.cluster.group("critic", CriticWorker)
                        if self.config.algo.uses_critic else None)
         weights, optimizers = weights or {}, optimizers or {}
@@ -265,9 +273,8 @@ class Trainer:
         """Everything of a step after generation, up to the actor's update: reward, log-probs,
         values, advantages and the updates. Returns the scored batch and the calls' results."""
         cfg, a = self.config, self.config.algo
-        with phases("reward"):
-            batch, scored = self.score(batch)
-        done: list[Merged] = [phases.add(scored)]
+        batch, scored = self.score(batch, phases)  # "reward" (and "reward_model") phases
+        done: list[Merged] = [phases.add(m) for m in scored]
         if a.dynamic_sampling:
             with phases("resample"):  # DAPO: drop all-alike groups, generate more prompts
                 batch, more, fill = self.fill(step, batch)
@@ -301,10 +308,11 @@ class Trainer:
                                         reads(batch, actor_update_reads(cfg)), step, phases)
         return batch, [*done, old, *updates]
 
-    def score(self, batch: Batch) -> tuple[Batch, Merged]:
-        """The reward worker's scores of `batch`, as its "score" column."""
-        scored = run_shards(self.reward, RewardWorker.score, batch.only(*SCORE_READS))
-        return add_columns(batch, scalars={"score": scored.batch.scalars["score"]}), scored
+    def score(self, batch: Batch, phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
+        """`batch` scored (its "score" column: the rule reward, combined with the reward
+        model's with `reward_model.path`), and the calls made, each timed by `phase`."""
+        return score_batch(batch, config=self.config.reward_model, reward=self.reward,
+                           model=self.reward_model, phase=phase)
 
     def fill(self, step: int, batch: Batch) -> tuple[Batch, list[Merged], FillStats]:
         """Dynamic sampling (`data/dynamic_sampling.py`): the step's scored batch, its
@@ -317,8 +325,8 @@ class Trainer:
                                     repeats=cfg.algo.responses_per_prompt, seed=cfg.train.seed,
                                     max_rounds=cfg.algo.dynamic_sampling_max_rounds)
             gen = self.generate_round(prompts, self.sampling(step, r))
-            scored, reward = self.score(with_responses(prompts, gen.batch))
-            calls.extend((gen, reward))
+            scored, rewards = self.score(with_responses(prompts, gen.batch))
+            calls.extend((gen, *rewards))
             return scored
 
         batch, stats = fill_groups(batch, groups=cfg.train.prompts_per_step,
@@ -372,18 +380,15 @@ class Trainer:
         r = self.config.rollout
         prompts = prompt_batch(self.val_set, range(len(self.val_set)), repeats=1, first_id=0,
                                split=VAL)
-        batch = self.scored_responses(prompts, greedy=r.val_greedy,
-                                      seed=step_seed(self.config, -1))
-        return {"val/reward": float(batch.scalars["score"].mean()),
-                "val/response_len": float(batch.response_lens.float().mean()),
-                "val/truncation_rate": float(batch.scalars["truncated"].float().mean())}
-
-    def scored_responses(self, prompts: Batch, *, greedy: bool, seed: int) -> Batch:
-        """`prompts` with the policy's responses (one per row, up to the response budget)
-        and their "score" column: what validation and `avrid eval` (`evaluate.py`) read."""
         gen = run_shards(*self.generator(), prompts, None, max_new_tokens=self.max_response,
-                         greedy=greedy, seed=seed)
-        return self.score(with_responses(prompts, gen.batch))[0]
+                         greedy=r.val_greedy, seed=step_seed(self.config, -1))
+        batch, _ = self.score(with_responses(prompts, gen.batch))
+        out = {"val/reward": float(batch.scalars["score"].mean()),
+               "val/response_len": float(batch.response_lens.float().mean()),
+               "val/truncation_rate": float(batch.scalars["truncated"].float().mean())}
+        if "model_score" in batch.scalars:
+            out["val/model_score"] = float(batch.scalars["model_score"].mean())
+        return out
 
 
 def step_seed(config: PPOConfig, step: int) -> int:

@@ -37,9 +37,10 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-PHASES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages",
-          "critic_update", "actor_update", "weight_sync")
-"""The trainer's phases in the order a step runs them (the stacking order of the bars)."""
+PHASES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values",
+          "advantages", "critic_update", "actor_update", "weight_sync")
+"""The trainer's phases in the order a step runs them (the stacking order of the bars);
+"reward_model" only with a reward model (`reward_model.path`)."""
 
 NOT_PHASES = ("time/step", "time/compute", "time/overhead")
 """time/* keys that are not phases: the step total, worker compute (overlaps the phases) and

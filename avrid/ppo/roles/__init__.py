@@ -20,6 +20,8 @@ Read in this order:
 10. adapter_sync.py  LoRA into vLLM: the base once, then only the adapters, read back
 11. handoff.py     one GPU, two tenants: the order in which the engine sleeps and wakes
 12. critic.py      `CriticWorker`: values and the clipped value-loss update
+13. reward_model.py  `RewardModelWorker`: a learned reward model (an HF sequence
+                   classifier) scores (prompt + response) texts in padded forwards
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each

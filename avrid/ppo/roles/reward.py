@@ -60,7 +60,7 @@ class RewardWorker(Worker):
         batch = shard.batch
         extras: dict[str, list[float]] = {}
         with builder.span("reward"):
-            samples = [self._sample(batch, i) for i in range(len(batch))]
+            samples = self.samples(batch)
             if self.functions:
                 values, extras = score_samples(self.functions, samples)
             else:
@@ -72,6 +72,11 @@ class RewardWorker(Worker):
             builder.metric(f"reward/{name}", torch.tensor(column, dtype=torch.float32),
                            "mean_samples")
         return builder.build()
+
+    def samples(self, batch: Batch) -> list[Sample]:
+        """Every row of `batch` as its prompt and decoded response (the reward model's
+        worker, `reward_model.py`, reads its rows through this too)."""
+        return [self._sample(batch, i) for i in range(len(batch))]
 
     def _task_reward(self, sample: Sample) -> float:
         """The task's own reward of one sample, checked; errors name the sample."""

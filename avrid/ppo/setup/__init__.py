@@ -2,7 +2,7 @@
 
 Read in this order:
 
-1.  config.py       `PPOConfig`: ten frozen sections, every field documented and checked alone
+1.  config.py       `PPOConfig`: eleven frozen sections, every field documented and checked alone
 2.  algo.py         its `algo` section: estimator, policy loss, KL, clips, score shaping
 3.  rollout.py      its `rollout` section: engine, sampling, vLLM's GPU share, seed mode
 4.  memory.py       its `memory` section: packing, attention kernel, log-prob chunk, offload
@@ -30,6 +30,10 @@ Read in this order:
 24. memory_estimate.py    the predicted peak bytes of each phase per GPU, by component; the
                          LoRA engine's sleep level
 25. memory_report.py      ``--estimate-memory``'s table, its verdict and a layout that fits
+26. reward_model.py       its `reward_model` section: a learned reward model, its weights and
+                         placement; `check_checkpoint` reads its config.json
+27. memory_reward_model.py  a reward model's weights and forward on the GPU its placement
+                         names (``--estimate-memory``)
 
 Pure: nothing here imports Ray, and nothing starts a process or loads a model.
 """

@@ -1,8 +1,9 @@
 """Chapter 5 — the trainer's configuration: typed, validated once, never mutated.
 
-One `PPOConfig` holds ten small sections (`algo` is in `algo.py`, `rollout` in
-`rollout.py`, `memory` in `memory.py`, `lora` in `lora.py`, chapter 6's `pipeline` in
-`pipeline.py`, chapter 7's `tools` in `tools.py`). Every field has a docstring, a default
+One `PPOConfig` holds eleven small sections (`algo` is in `algo.py`, `rollout` in
+`rollout.py`, `memory` in `memory.py`, `lora` in `lora.py`, `reward_model` in
+`reward_model.py`, chapter 6's `pipeline` in `pipeline.py`, chapter 7's `tools` in
+`tools.py`). Every field has a docstring, a default
 that runs on a laptop, and a check in `__post_init__` that names the field and the allowed
 range, so a bad value fails when the config is made — before Ray starts or any worker
 loads a model.
@@ -37,6 +38,7 @@ from avrid.ppo.setup.lora import LoraConfig
 from avrid.ppo.setup.memory import MemoryConfig
 from avrid.ppo.setup.pipeline import PipelineConfig
 from avrid.ppo.setup.reward_functions import load_functions, resolve_spec
+from avrid.ppo.setup.reward_model import RewardModelConfig
 from avrid.ppo.setup.rollout import RolloutConfig
 from avrid.ppo.setup.tools import ToolsConfig
 from avrid.ppo.setup.validate import finite, need, one_of, positive, validate
@@ -328,6 +330,7 @@ class PPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)

@@ -18,6 +18,8 @@ peak, by component:
     ref      the frozen reference in model.dtype (kl_coef > 0), 1/actor_dp; none with LoRA
              (the actor with its adapters off) and in host memory with cpu_offload
     critic   a colocated critic's state (placement.colocate_critic, PPO) on the policy's GPU
+    rm       a reward model's weights, on every phase of the GPU its placement names; its
+             own phase "reward model" adds one forward (`memory_reward_model.py`)
     engine   rollout engine weights (model.dtype); vLLM: its gpu_memory_utilization share of
              the GPU (weights + KV cache) while it generates; an engine served LoRA adapters
              may keep its base resident while the trainer runs (`sleep_level`)
@@ -29,7 +31,8 @@ peak, by component:
     runtime  the CUDA context and allocator slack of a GPU process (`CUDA_RUNTIME`; 0 on CPU)
 
 The GPUs of the layout: "policy" (actor, reference, and in sync mode the engine), "critic"
-(a critic on GPUs of its own), and in the pipeline modes "rollout" (`memory_pipeline.py`).
+(a critic on GPUs of its own), in the pipeline modes "rollout" (`memory_pipeline.py`), and
+"reward_model" (a reward model in a pool of its own).
 
 Not here: the micro-batch and its activations (`memory_activations.py`), shapes
 (`memory_shapes.py`), printing (`memory_report.py`), running anything.
@@ -50,6 +53,7 @@ from avrid.ppo.setup.memory_activations import (
     workload_of,
 )
 from avrid.ppo.setup.memory_pipeline import push_parts, receive_bytes, rollout_phases
+from avrid.ppo.setup.memory_reward_model import reward_model_gpu, reward_model_memory
 from avrid.ppo.setup.memory_setup import setup_parts
 from avrid.ppo.setup.memory_shapes import ModelShape, adapter_params, shapes_of
 from avrid.ppo.setup.rollout import gpu_memory_share
@@ -60,8 +64,8 @@ BUCKET_BYTES = 64 << 20
 CUDA_RUNTIME = 1 * GiB
 """A CUDA process's context, cuBLAS/NCCL workspaces and allocator slack (not measured here:
 an allowance)."""
-COMPONENTS = ("params", "grads", "optim", "activ", "logits", "ref", "critic", "engine", "kv",
-              "sync", "runtime")
+COMPONENTS = ("params", "grads", "optim", "activ", "logits", "ref", "critic", "rm", "engine",
+              "kv", "sync", "runtime")
 SLEEP_KV_ONLY, SLEEP_OFFLOAD, SLEEP_DROP = 0, 1, 2
 """What a hybrid engine releases when it hands the GPU to the trainer (`roles/handoff.py`):
 0 the KV cache only (the weights stay resident), 1 the KV cache with the weights offloaded to
@@ -108,7 +112,7 @@ class Estimate:
     sleep_transfer_bytes: int = 0
     """Host <-> GPU bytes that sleep moves per step (level 1: the base out and back)."""
     gpus: dict[str, int] = field(default_factory=dict)
-    """GPUs of each kind the layout uses ("policy", "critic", "rollout")."""
+    """GPUs of each kind the layout uses ("policy", "critic", "rollout", "reward_model")."""
 
     def peak(self, gpu: str | None = None) -> int:
         """The largest phase peak (of one GPU kind, or of all)."""
@@ -118,11 +122,13 @@ class Estimate:
 def layout_gpus(config: PPOConfig) -> dict[str, int]:
     """GPUs of each kind `config` places: the actor's ranks, a critic's own ranks (PPO, not
     colocated), and in the pipeline modes the rollout ranks (`pipeline.rollout_dp`, else
-    as many as the actor's) times vLLM's tensor-parallel size."""
+    as many as the actor's) times vLLM's tensor-parallel size; a reward model's own pool."""
     p, q = config.placement, config.pipeline
     out = {"policy": p.actor_dp}
     if config.algo.uses_critic and not p.colocate_critic:
         out["critic"] = p.critic_dp
+    if config.reward_model.enabled and reward_model_gpu(config) == "reward_model":
+        out["reward_model"] = config.reward_model.dp
     if q.mode != "sync":
         tp = config.rollout.tensor_parallel_size if config.rollout.engine == "vllm" else 1
         out["rollout"] = (q.rollout_dp or p.actor_dp) * tp
@@ -269,6 +275,16 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
     if level == SLEEP_KV_ONLY:
         trainer = [Phase(name=ph.name, gpu=ph.gpu, parts={**ph.parts, "engine": engine_weights})
                    if ph.gpu == "policy" else ph for ph in trainer]
+    rm = reward_model_memory(config, w.gen_len)
+    if rm is not None:  # its phase runs before the trainer's (its weights: below)
+        beside = {"policy": {**base, **masters_only, "optim": actor["optim"]},
+                  "critic": {"runtime": rt, **critic_state}}.get(rm.gpu, {"runtime": rt})
+        phases.append(Phase(name="reward model", gpu=rm.gpu, parts={
+            **beside, "rm": rm.weights, "activ": rm.activations}))
+        notes.append(f"reward model ({config.reward_model.placement}): "
+                     f"{rm.shape.critic_params / 1e6:.2f}M parameters, "
+                     f"{rm.weights / (1 << 20):.1f} MiB on each {rm.gpu} rank; a forward "
+                     f"of {config.reward_model.micro_batch_tokens} tokens")
     phases += trainer
     if pipeline:  # rank 0 posts the weights to the rollout pool; the rollout GPU receives
         phases.append(Phase(name="weight push (rank 0)", gpu="policy", parts={
@@ -304,6 +320,9 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
     if kernel in ("sdpa", PACKED_SDPA) and p.device == "cuda":
         notes.append(f"attention: {kernel} assumed (flash-attn is not installed here; with "
                      f"it, memory.attention=auto runs flash_attention_2: less)")
+    if rm is not None:  # resident on its GPU in every phase: nothing offloads it
+        phases = [Phase(name=ph.name, gpu=ph.gpu, parts={**ph.parts, "rm": rm.weights})
+                  if ph.gpu == rm.gpu else ph for ph in phases]
     return Estimate(phases=tuple(_ordered(ph) for ph in phases), policy=policy, critic=critic,
                     workload=w, attention=kernel, notes=tuple(notes), host_bytes=host,
                     adapters=adapters, sleep_level=level, sleep_transfer_bytes=transfer,

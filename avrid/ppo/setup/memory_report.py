@@ -2,7 +2,8 @@
 
 `report(config, gpu_bytes, gpus=N)` prints `memory_estimate.estimate`'s phases as one table
 per GPU kind (the policy's GPU: actor, reference, engine, and a colocated critic; a separate
-critic's GPU; in the pipeline modes a rollout GPU), in GiB per component, then the verdict:
+critic's GPU; in the pipeline modes a rollout GPU; a reward model's own GPU), in GiB per
+component, then the verdict:
 "fits with X% headroom", or "does NOT fit" and the first layout of `suggest`'s ladder that
 does (cheapest first: checkpointing and smaller micro-batches, LoRA, cpu_offload, then more
 GPUs, up to the ``--gpus`` there are), as ``--set`` assignments.
@@ -26,7 +27,7 @@ MAX_DP = 8
 """The most actor ranks `suggest` proposes without ``--gpus`` (one node of 8 GPUs)."""
 SUGGESTED_LORA_RANK = 16
 """The LoRA rank `suggest` proposes (a common choice: ~0.5% of a 7B model's parameters)."""
-GPU_KINDS = ("policy", "critic", "rollout")
+GPU_KINDS = ("policy", "critic", "rollout", "reward_model")
 """The tables' order: `Phase.gpu`'s kinds."""
 _UNITS = {"": GiB, "g": GiB, "gb": GiB, "gib": GiB, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}

@@ -9,6 +9,7 @@ rule, each error naming the field to change and what is allowed:
     placement  an address needs the ray backend; in-process runs one rank per role; a
                colocated critic fits in the policy's bundles
     pipeline   an in-process run has one rollout rank
+    reward     a reward model placed with the critic needs a critic
     hardware   CUDA runs on ray; bf16 and CPU offload train on ray; vLLM on CPU needs a
                head dim it supports
     rollout    one GPU per vLLM engine (tensor_parallel_size=1)
@@ -51,6 +52,7 @@ def validate(config: PPOConfig, task: Task | None = None) -> None:
     _hardware(config)
     _rollout(config)
     _pipeline(config)
+    _reward_model(config)
     response = config.rollout.max_response_tokens or (task and task.max_response_tokens)
     if response:
         _fits_micro_batch(config, response)
@@ -106,6 +108,13 @@ def _pipeline(config: PPOConfig) -> None:
     need(not q.disaggregated or p.backend != "inprocess" or rollout_dp == 1,
          "pipeline.rollout_dp", f"the in-process backend runs each role as one thread; set "
          f"pipeline.rollout_dp=1 or use backend='ray' (got {rollout_dp})")
+
+
+def _reward_model(config: PPOConfig) -> None:
+    rm = config.reward_model
+    need(not rm.enabled or rm.placement != "critic" or config.algo.uses_critic,
+         "reward_model.placement", f"'critic' puts the reward model on the critic's bundles, "
+         f"but {config.algo.name} has no critic; use 'pool' or 'policy'")
 
 
 def _hardware(config: PPOConfig) -> None:
