@@ -100,6 +100,7 @@ NOT_RUN = {
 AFTER = {
     "avrid ppo --resume": "avrid ppo",
     "avrid export runs/tiny_ppo hf/": "avrid ppo",
+    "avrid eval runs/tiny_ppo": "avrid ppo",
     "avrid ppo --config my.yaml --steps 2": "avrid ppo --print-config > my.yaml",
 }
 """Commands that continue what another left in its directory: they run there, after it."""

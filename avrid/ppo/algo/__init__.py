@@ -14,6 +14,7 @@ Read in this order:
 7. shaping.py        DAPO's soft overlong penalty on a response's score
 8. off_policy.py     chapter 6's off-policy correction: per-token importance weights for stale
                      batches (none, truncated IS, decoupled PPO)
+9. pass_at_k.py      pass@k's unbiased estimator (Chen et al. 2021), for `avrid eval`
 
 Every formula is in a docstring and checked against numbers worked by hand in
 tests/test_ppo_math.py and tests/test_off_policy.py; the estimators and losses that verl also

@@ -12,4 +12,8 @@ Read in this order:
 5. run.py        `train`: the whole run around the trainer — resume, validation cadence,
                  metrics, samples, checkpoints, plots, export (what `avrid ppo` calls)
 6. stopping.py   Ctrl-C and a scheduler's SIGTERM stop a run alike (what `avrid ppo` sets)
+7. eval_target.py  what `avrid eval` evaluates: a checkpoint, an export or the initial model,
+                   with the weights and the config each brings
+8. evaluate.py   `evaluate`: the trainer's workers, validation's call, greedy and sampled
+                 passes, pass@k, reward and lengths (what `avrid eval` calls)
 """

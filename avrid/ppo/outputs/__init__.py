@@ -13,6 +13,7 @@ Read in this order:
 9. export_dest.py  where an export may go: never over a run, never over the user's own files
 10. export_lora.py  a LoRA run's export: the rebuilt base, the adapters merged onto it, and
                     the adapter as a PEFT directory that names that base
+11. eval_files.py  what `avrid eval` writes: eval.jsonl (a row per prompt) and its summary
 
 No Ray here, and nothing here trains: `driver/run.py` decides what to write and when.
 """

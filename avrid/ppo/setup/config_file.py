@@ -25,7 +25,7 @@ is text by nature, so overrides.py reads its text *as* the field's type, by the 
 then checked by the sections themselves, exactly as for a config made in Python.
 
 Not here: presets (presets.py), ``--set`` (overrides.py), and how the command line orders
-them (`avrid/cli.py`).
+them (`avrid/commands/ppo.py`).
 """
 
 from __future__ import annotations
