@@ -171,6 +171,16 @@ def test_eval_of_the_runs_export_and_of_a_copy_elsewhere_gives_the_last_validati
     assert (tmp_path / "hf-eval" / "eval_summary.json").is_file()
 
 
+def test_eval_places_no_critic_and_no_reference(run: Path) -> None:
+    from avrid.ppo.driver.eval_target import resolve_target
+    from avrid.ppo.driver.evaluate import EvalOptions, eval_config
+
+    target = resolve_target(run)
+    config = eval_config(target.config, target, EvalOptions())
+    assert target.config.algo.uses_critic  # a PPO run...
+    assert not config.algo.uses_critic and config.algo.kl_coef == 0  # ...evaluated alone
+
+
 def test_eval_of_the_initial_model_gives_the_untrained_validation(
         run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     summary = evaluated(capsys, "--initial", "--samples", "0", "--out", str(tmp_path / "i"),

@@ -108,8 +108,8 @@ def resolve_target(target: str | Path) -> EvalTarget:
     if "config" not in ck.state:
         raise ValueError(f"{step_dir / 'state.json'} has no 'config': not written by "
                          f"`avrid ppo`, so the model and task are unknown")
-    # The policy alone: a PPO run's critic is started (the trainer's placement has it) but
-    # judges nothing here, so it is not read back.
+    # The policy alone: evaluation places no critic (`evaluate.eval_config`), so a PPO
+    # run's critic is not read back.
     weights = {"actor": resume_weights(ck)[0]["actor"]}
     run = run_directory(step_dir) or step_dir.parent
     tokenizer = ck.state.get("tokenizer") or {}

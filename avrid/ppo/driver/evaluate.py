@@ -21,7 +21,7 @@ lengths in tokens (mean, median, max) and the share cut off at the response budg
 
 What evaluation does not run is switched off in its config (`eval_config`): the reference
 model (``algo.kl_coef`` = 0) and chapter 6's pipeline (the policy's own engine generates).
-The critic of a PPO run is still started, as the trainer's placement has it.
+A PPO run's critic is not started: evaluation runs under an estimator without one.
 
 Not here: which paths are targets (`eval_target.py`), the files it writes
 (`outputs/eval_files.py`), the command line (`avrid/commands/eval.py`).
@@ -97,7 +97,11 @@ def eval_config(config: PPOConfig, target: EvalTarget, options: EvalOptions) -> 
     t = config.train
     if options.prompts is not None:
         t = dataclasses.replace(t, val_prompts=options.prompts)
-    return dataclasses.replace(config, algo=dataclasses.replace(config.algo, kl_coef=0.0),
+    # Evaluation reads no values: a PPO run is evaluated under an estimator without a critic
+    # (nor groups), so no critic is placed, built or loaded. Generation and reward are the same.
+    name = "reinforce_plus_plus" if config.algo.uses_critic else config.algo.name
+    return dataclasses.replace(config, algo=dataclasses.replace(config.algo, kl_coef=0.0,
+                                                                name=name),
                                pipeline=PipelineConfig(), train=t)
 
 
