@@ -38,6 +38,25 @@ from avrid.ppo.data.columns import (
 from avrid.ppo.setup.config import PPOConfig
 
 
+def advantages_reads(config: PPOConfig) -> tuple[str, ...]:
+    """The batch columns `compute_advantages` reads under `config`: the score, the truncation
+    flag and the groups always, the log-probs when the KL goes in the reward, the values when
+    the estimator uses a critic (plus "action_mask" when the batch has it)."""
+    a = config.algo
+    out = ("score", "truncated", "group")
+    if a.kl_coef > 0 and a.kl_in == "reward":
+        out += ("old_logp", "ref_logp")
+    if a.uses_critic:
+        out += ("values",)
+    return out
+
+
+def advantages_writes(config: PPOConfig) -> tuple[str, ...]:
+    """The columns `compute_advantages` adds under `config`: "advantages" and "loss_mask",
+    and the value targets "returns" for an estimator with a critic (PPO's GAE)."""
+    return ("advantages", "loss_mask") + (("returns",) if config.algo.uses_critic else ())
+
+
 def shaped_scores(batch: Batch, config: PPOConfig, max_response: int | None) -> torch.Tensor:
     """(n,) float32: the task's scores with `algo.truncation`'s penalty and DAPO's overlong
     penalty applied (`algo/shaping.py`; it needs `max_response`, the response budget).

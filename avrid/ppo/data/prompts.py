@@ -96,6 +96,10 @@ def _epoch_order(seed: int, epoch: int, num_prompts: int) -> torch.Tensor:
     return torch.randperm(num_prompts, generator=gen)
 
 
+PROMPT_COLUMNS = ("tokens", "prompt_index", "split", "group")
+"""The columns of `prompt_batch`'s rows (after generation "tokens" holds prompt + response)."""
+
+
 def prompt_batch(prompts: PromptSet, indices: Sequence[int], *, repeats: int, first_id: int,
                  split: int) -> Batch:
     """`indices` prompts, each `repeats` times in a row; sample ids from `first_id` on.

@@ -31,6 +31,8 @@ from avrid.workers import WorkerIdentity
 VALUES_READS = ("tokens",)
 """The batch columns `CriticWorker.compute_values` reads (the driver sends only these, plus
 "action_mask" when the batch has it: `columns.reads`)."""
+VALUES_WRITES = ("values",)
+"""The column `CriticWorker.compute_values` adds: V(s_t) per response token."""
 CRITIC_UPDATE_READS = ("tokens", "loss_mask", "values", "returns")
 """The batch columns `CriticWorker.update` reads: the clipped value loss against the old
 values and the returns, over the samples whose loss_mask is 1 (and their action tokens:

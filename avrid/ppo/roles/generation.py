@@ -33,6 +33,10 @@ from avrid.ppo.setup.rollout import gpu_memory_share
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import WorkerIdentity
 
+GENERATE_WRITES = ("rollout_logp", "truncated")
+"""The columns `generate_shard` adds besides packed "response", which the driver joins to the
+prompt's "tokens" (`columns.with_responses`): the rows then hold whole sequences."""
+
 
 def build_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int, pad_id: int,
                  max_response: int, colocated: bool = True) -> tuple[Any, str | None]:

@@ -56,6 +56,11 @@ from avrid.workers import WorkerIdentity
 LOGPROBS_READS = ("tokens",)
 """The batch columns `PolicyWorker.compute_logprobs` reads (the driver sends only these, plus
 "action_mask" when the batch has it: `columns.reads`; the entropy metric covers actions)."""
+LOGPROBS_WRITES = ("old_logp",)
+"""The column `compute_logprobs` adds under the actor; `REF_LOGPROBS_WRITES` under the
+reference (`reference=True`: the frozen copy, or with LoRA the actor with its adapters off)."""
+REF_LOGPROBS_WRITES = ("ref_logp",)
+"""The column `compute_logprobs(reference=True)` adds."""
 
 
 def actor_update_reads(config: PPOConfig) -> tuple[str, ...]:

@@ -29,6 +29,9 @@ from avrid.workers import Worker, WorkerIdentity
 SCORE_READS = ("tokens", "split", "prompt_index")
 """The batch columns `RewardWorker.score` reads: the driver sends only these
 (``batch.only(*SCORE_READS)``), not every column the batch has grown."""
+SCORE_WRITES = ("score",)
+"""The column `RewardWorker.score` adds: the rule reward per sample (with a reward model it is
+the "rule_score" that `driver/scoring.py` weighs against the model's)."""
 
 
 class RewardWorker(Worker):

@@ -33,6 +33,10 @@ from avrid.ppo.setup.reward_model import RewardModelConfig, check_checkpoint
 from avrid.results import ResultBuilder, WorkerResult
 from avrid.workers import Worker, WorkerIdentity
 
+MODEL_SCORE_WRITES = ("model_score",)
+"""The column `RewardModelWorker.score` adds; it reads `reward.SCORE_READS`, like the rule
+reward."""
+
 
 class RewardModelWorker(Worker):
     """One rank of the reward model: scores shards of (prompt + response) sequences."""
