@@ -6,6 +6,7 @@
     avrid ppo --config FILE   a run of the config in that file (.yaml, .yml or .json)
     avrid ppo --help-config   every config field: its type, default and what it does
     avrid ppo --estimate-memory [--gpu-memory 80GB] [--gpus 8]  peak memory per GPU and phase
+    avrid ppo --print-graph [FILE.png]  the step's phases, what each waits for (and drawn)
     (Ctrl-C, or a scheduler's SIGTERM, stops a run: exit 130 or 143 and how to resume it)
     avrid export SRC DEST   a checkpoint's policy in Hugging Face format (SRC: a run directory
                             for its latest checkpoint, a checkpoints/ root or a step directory;

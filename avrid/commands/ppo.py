@@ -1,4 +1,4 @@
-"""`avrid ppo`: train with PPO or GRPO, or print, explain or size a config.
+"""`avrid ppo`: train with PPO or GRPO, or print, explain, size or draw (its step) a config.
 
 Where the config comes from, each step overriding the one before (`PPO_SOURCES`): a preset
 (--preset, default tiny-ppo) or a config file (--config; a whole config, so not both), then
@@ -80,6 +80,10 @@ def add_parser(sub: argparse._SubParsersAction, words: list[str]) -> None:
                      help="print the config (YAML, or json) and exit; --config reads it back")
     ppo.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
                      help="list every config field (or SECTION's): type, default, meaning")
+    ppo.add_argument("--print-graph", nargs="?", const="", metavar="FILE",
+                     help="print the step as a graph (each phase: its worker group, the "
+                     "columns it reads and writes, what it waits for) and exit, starting "
+                     "nothing; FILE (.png, .pdf, .svg): draw it there too")
     ppo.add_argument("--estimate-memory", action="store_true",
                      help="print the predicted peak memory per GPU and phase of the config "
                      "and whether it fits, then exit (no Ray, no model, no GPU needed)")
@@ -129,6 +133,14 @@ def run(args: argparse.Namespace) -> None:
         fail("avrid ppo", e, debug=args.debug)
     if args.print_config is not None:
         print(dump_config(config, args.print_config), end="")
+        return
+    if args.print_graph is not None:
+        from avrid.ppo.driver.step_graph import print_graph
+
+        try:
+            print(print_graph(config, args.print_graph or None), end="")
+        except (ValueError, OSError) as e:  # a pipelined mode, an unwritable FILE
+            fail("avrid ppo --print-graph", e, debug=args.debug)
         return
     if args.estimate_memory:
         from avrid.ppo.setup.memory_report import report
