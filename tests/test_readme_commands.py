@@ -9,7 +9,8 @@ A command is a line of a ```bash block, or an inline `code` span that starts wit
   (relative paths such as ``runs/tiny_ppo`` land there; an absolute ``--out`` is moved under
   it). A training run gets `BUDGET` appended (one step, in-process workers: argparse keeps a
   flag's last value, so ``--steps 60`` becomes 1); ``--print-config``, ``--help-config``,
-  ``--estimate-memory``, ``export``, ``chapters`` and ``--version`` run as written.
+  ``--estimate-memory``, ``--print-graph``, ``export``, ``chapters`` and ``--version`` run as
+  written.
   Commands that would build the same config (apart from `SAME_RUN`'s fields) train once:
   every command's config is still built, and a flag outside the config (``--debug``)
   changes only how an error is shown.
@@ -63,7 +64,7 @@ PROGRAMS = ("avrid", ".venv/bin/avrid", ".venv-vllm/bin/avrid", "make", "python"
 BUDGET = ("--steps", "1", "--backend", "inprocess")
 """Appended to a training command: one step, every role on threads of this process."""
 
-AS_WRITTEN = ("--print-config", "--help-config", "--estimate-memory")
+AS_WRITTEN = ("--print-config", "--help-config", "--estimate-memory", "--print-graph")
 """`avrid ppo` flags that make it print and stop: such a command runs as written."""
 
 CONFIG_ONLY = {

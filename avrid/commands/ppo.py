@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
         print(dump_config(config, args.print_config), end="")
         return
     if args.print_graph is not None:
-        from avrid.ppo.driver.step_graph import print_graph
+        from avrid.ppo.driver.step_graph_figure import print_graph
 
         try:
             print(print_graph(config, args.print_graph or None), end="")

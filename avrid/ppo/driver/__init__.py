@@ -16,4 +16,7 @@ Read in this order:
                    with the weights and the config each brings
 8. evaluate.py   `evaluate`: the trainer's workers, validation's call, greedy and sampled
                  passes, pass@k, reward and lengths (what `avrid eval` calls)
+9. step_graph.py  the step as a graph: each phase's group, the columns it reads and writes,
+                  what it waits for, derived from them (`avrid ppo --print-graph`)
+10. step_graph_figure.py  that graph drawn, left to right, one lane per worker group
 """

@@ -20,7 +20,8 @@ phase writes — a step that would fail (or read a stale column) at its tenth mi
 
 `StepGraph.ready` is the question a concurrent controller asks (issue the phases whose
 predecessors are done); `text` is what ``avrid ppo --print-graph`` prints, and
-`step_graph_figure.py` draws it. Not here: running phases (the trainer does), their cost.
+`step_graph_figure.py` draws it (and holds `print_graph`, the command's whole output).
+Not here: running the phases (the trainer does), what they cost.
 """
 
 from __future__ import annotations
@@ -271,16 +272,3 @@ def step_phases(config: PPOConfig, *, updates_actor: bool = True) -> tuple[StepP
 def step_graph(config: PPOConfig, *, updates_actor: bool = True) -> StepGraph:
     """The graph of a step of `config` (`step_phases`, then `build_graph`)."""
     return build_graph(step_phases(config, updates_actor=updates_actor))
-
-
-def print_graph(config: PPOConfig, figure: str | None = None) -> str:
-    """What ``avrid ppo --print-graph [FILE]`` prints: the graph as text; with `figure`, the
-    graph is also drawn to that file (png, pdf, svg: `step_graph_figure.draw`)."""
-    graph = step_graph(config)
-    text = graph.text()
-    if figure is not None:
-        from avrid.ppo.driver.step_graph_figure import draw
-
-        draw(graph, figure)
-        text += f"figure: {figure}\n"
-    return text

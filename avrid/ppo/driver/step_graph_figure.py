@@ -4,15 +4,27 @@ A phase is a box at column = its depth in the graph (`StepGraph.depths`: boxes i
 wait for nothing of each other and could run at once) and row = the group it runs on
 (`step_graph.GROUPS`, top to bottom). An arrow is an edge: solid when the later phase reads
 a column the earlier one wrote, dashed when only the group's order chains them. What
-``avrid ppo --print-graph FILE.png`` writes. Not here: the graph itself (`step_graph.py`).
-matplotlib is imported when a figure is drawn, not before.
+``avrid ppo --print-graph FILE.png`` writes; `print_graph` is that command's whole output.
+Not here: the graph itself (`step_graph.py`). matplotlib is imported when a figure is drawn,
+not before.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from avrid.ppo.driver.step_graph import GROUPS, StepGraph
+from avrid.ppo.driver.step_graph import GROUPS, StepGraph, step_graph
+from avrid.ppo.setup.config import PPOConfig
+
+
+def print_graph(config: PPOConfig, figure: str | None = None) -> str:
+    """What ``avrid ppo --print-graph [FILE]`` prints: the step's graph as text
+    (`StepGraph.text`); with `figure`, the graph is drawn to that file too (`draw`)."""
+    graph = step_graph(config)
+    if figure is None:
+        return graph.text()
+    draw(graph, figure)
+    return graph.text() + f"figure: {figure}\n"
 
 
 def draw(graph: StepGraph, path: str | Path) -> Path:
