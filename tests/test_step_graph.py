@@ -255,13 +255,22 @@ def test_print_graph_file_draws_the_tiny_grpo_step(tmp_path: Path,
     assert 5_000 < figure.stat().st_size < 500_000
 
 
-def test_print_graph_of_a_pipelined_mode_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("args", "error"), [
+    (["--set", "pipeline.mode=one_step_off"], "the step graph is the synchronous loop's"),
+    (["graph.txt"], "cannot draw the step graph to 'graph.txt': the file name must end in one "
+                    "of .png, .pdf, .svg"),
+])
+def test_print_graph_refuses_in_one_line(args: list[str], error: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as done:
-        main(["ppo", "--print-graph", "--set", "pipeline.mode=one_step_off"])
+        main(["ppo", "--print-graph", *args])
     assert done.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("avrid ppo --print-graph: the step graph is "
-                                               "the synchronous loop's"), err
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"avrid ppo --print-graph: {error}"), err
+    assert captured.out == "" and not list(tmp_path.iterdir())  # nothing printed, no file
 
 
 # ---- the graph is what the trainer runs ------------------------------------------------------

@@ -16,6 +16,9 @@ from pathlib import Path
 from avrid.ppo.driver.step_graph import GROUPS, StepGraph, step_graph
 from avrid.ppo.setup.config import PPOConfig
 
+FORMATS = (".png", ".pdf", ".svg")
+"""The figure formats `draw` writes, by the file name's suffix."""
+
 
 def print_graph(config: PPOConfig, figure: str | None = None) -> str:
     """What ``avrid ppo --print-graph [FILE]`` prints: the step's graph as text
@@ -29,12 +32,15 @@ def print_graph(config: PPOConfig, figure: str | None = None) -> str:
 
 def draw(graph: StepGraph, path: str | Path) -> Path:
     """Draw `graph` to `path` (its suffix picks the format: .png, .pdf, .svg); returns it."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"cannot draw the step graph to {str(path)!r}: the file name must end "
+                         f"in one of {', '.join(FORMATS)}")
     import matplotlib
 
     matplotlib.use("Agg")  # a file, never a window (the command may run on a headless node)
     import matplotlib.pyplot as plt
 
-    path = Path(path)
     depths = graph.depths()
     lanes = [g for g in GROUPS if any(p.group == g for p in graph.phases)]
     row = {g: len(lanes) - 1 - i for i, g in enumerate(lanes)}  # the first group on top
