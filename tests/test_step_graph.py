@@ -165,6 +165,24 @@ def test_ready_phases_are_what_a_controller_may_issue_together() -> None:
         "ref_logp", "critic_update")
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_issuing_the_ready_phases_in_waves_runs_each_once_and_no_group_twice(case: str) -> None:
+    graph, done, waves = step_graph(CASES[case][0]), [], []
+    while ready := graph.ready(done):
+        for name in ready:  # every predecessor finished in an earlier wave
+            assert set(graph.waits_for(name)) <= set(done), (name, done)
+        busy = [(g, graph.phase(n).lane) for n in ready for g in graph.phase(n).groups
+                if g != "driver"]
+        assert len(busy) == len(set(busy)), f"{ready} share a worker group's lane"
+        waves.append(ready)
+        done += ready
+    assert sorted(done) == sorted(graph.names())
+    if case == "ppo, kl in the loss":  # the waves a person reads off the drawing
+        assert waves == [("generate",), ("reward", "old_logp", "values"),
+                         ("ref_logp", "advantages"), ("critic_update", "actor_update"),
+                         ("weight_sync",)]
+
+
 # ---- the rules: lanes, refusals --------------------------------------------------------------
 
 def test_phases_on_another_lane_of_a_group_are_not_chained_to_it() -> None:

@@ -132,7 +132,8 @@ class StepGraph:
 
     def ready(self, done: Iterable[str]) -> tuple[str, ...]:
         """The phases not in `done` whose every predecessor is: what a controller may issue
-        now (it must still keep one call per group lane at a time)."""
+        now, together. No two of them share a worker group's lane: the order rule chains
+        those, so one is always still waiting for the other."""
         finished = set(done)
         return tuple(p.name for p in self.phases if p.name not in finished
                      and all(b in finished for b in self.waits_for(p.name)))
