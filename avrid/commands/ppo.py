@@ -1,4 +1,4 @@
-"""`avrid ppo`: train with PPO or GRPO, or print, explain, size or draw (its step) a config.
+"""`avrid ppo`: train with PPO or GRPO, or print, explain or size a config, or draw its step.
 
 Where the config comes from, each step overriding the one before (`PPO_SOURCES`): a preset
 (--preset, default tiny-ppo) or a config file (--config; a whole config, so not both), then
