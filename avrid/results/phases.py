@@ -36,7 +36,20 @@ class Phases:
 
     def __call__(self, name: str) -> AbstractContextManager[None]:
         """Time the phase `name` (a driver span on the timeline)."""
+        self.boundary()
         return timed(self.spans, name)
+
+    def boundary(self) -> None:
+        """Called as each phase begins: nothing here; chapter 6's phases tend the pipeline
+        (collect a finished generation, start the next) at every boundary."""
+
+    def extend(self, other: Phases) -> None:
+        """Append `other`'s spans and calls: a phase timed on a `Phases` of its own (the
+        concurrent controller runs each in a thread of its own, then puts them back in the
+        serial order, so the step's spans and calls read as the serial run's)."""
+        self.spans.extend(other.spans)
+        self.merged.extend(other.merged)
+        self.calls.extend(other.calls)
 
     def add(self, merged: Merged) -> Merged:
         """Keep a call's results for the timing and the timeline; returns it unchanged."""

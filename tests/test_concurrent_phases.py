@@ -1,0 +1,170 @@
+"""`train.concurrent_phases=true` (`avrid/ppo/driver/concurrent.py`): each phase issued as soon
+as the phases it reads from have finished gives the serial run bit for bit — every algorithmic
+metric, every column of every step's batch (the samples), the final weights — for PPO (the
+critic on its own pool, a KL term, a warm-up step), GRPO with dynamic sampling, a reward
+model beside the rule reward, one-step-off, in process and on Ray; and a phase that fails,
+or times out, while others are in flight ends the step with the serial run's error, leaking
+nothing.
+
+In-process runs take seconds (one rank per role); the Ray test uses `ray_cluster`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from avrid.dispatch import Batch
+from avrid.pipeline import make_trainer
+from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.setup.config import PPOConfig
+from avrid.ppo.setup.overrides import with_overrides
+from avrid.ppo.setup.presets import preset
+from avrid.ppo.setup.task import Prompt
+from avrid.workers import WorkerError
+from tests.test_ppo_trainer import EchoFirstTask, algorithmic
+
+pytestmark = pytest.mark.chapter(5)
+
+CONCURRENT = "train.concurrent_phases=true"
+
+
+def config(name: str, *sets: str, inprocess: bool = True) -> PPOConfig:
+    """`name` cut to seconds: 2 steps of 4 prompts x 4 responses, the critic on its own pool."""
+    where = (["placement.backend=inprocess", "placement.actor_dp=1", "placement.critic_dp=1"]
+             if inprocess else ["placement.cpus_per_worker=0.5", "train.call_timeout_s=60"])
+    return with_overrides(preset(name), [
+        *where, "placement.colocate_critic=false", "train.steps=2", "train.prompts_per_step=4",
+        "algo.responses_per_prompt=4", "train.mini_batch_size=8", "train.val_prompts=4",
+        "train.progress=false", *sets])
+
+
+def run(cfg: PPOConfig) -> tuple[list[dict], list[Batch], dict]:
+    """`train.steps` steps of `cfg` (by its mode's trainer): the algorithmic metrics, each
+    step's scored batch and the final weights."""
+    rows, batches = [], []
+    with make_trainer(cfg) as trainer:
+        trainer.start()
+        for step in range(cfg.train.steps):
+            metrics, batch = trainer.train_step(step)
+            metrics.pop("pipeline/overlap", None)  # a share of the step's time, not the algorithm
+            rows.append(metrics)
+            batches.append(batch)
+        weights = trainer.state().weights
+    return algorithmic(rows), batches, weights
+
+
+def assert_same_batches(a: list[Batch], b: list[Batch]) -> None:
+    for x, y in zip(a, b, strict=True):
+        for name in ("sample_ids", "prompt_lens", "response_lens"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+        assert list(x.packed) == list(y.packed) and list(x.scalars) == list(y.scalars)
+        for name, col in x.packed.items():
+            assert torch.equal(col.values, y.packed[name].values), name
+            assert torch.equal(col.lengths, y.packed[name].lengths), name
+        for name, col in x.scalars.items():
+            assert torch.equal(col, y.scalars[name]), name
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for model in a:
+        assert a[model].keys() == b[model].keys()
+        for name in a[model]:
+            assert torch.equal(a[model][name], b[model][name]), f"{model}.{name}"
+
+
+def assert_concurrent_is_serial(cfg: PPOConfig, tmp_path: Path) -> None:
+    serial = run(with_overrides(cfg, [f"train.out_dir={tmp_path / 'serial'}"]))
+    concurrent = run(with_overrides(cfg, [CONCURRENT, f"train.out_dir={tmp_path / 'conc'}"]))
+    assert concurrent[0] == serial[0]
+    assert_same_batches(concurrent[1], serial[1])
+    assert_same_weights(concurrent[2], serial[2])
+
+
+# ---- bit for bit the serial run ----------------------------------------------------------------
+
+CASES = {
+    # reward | old_logp | values, then ref_logp, advantages, critic_update | actor_update;
+    # step 0 is a critic warm-up step (no actor update).
+    "ppo, kl in the reward, warm-up": ("tiny-ppo", "algo.kl_coef=0.05", "algo.kl_in=reward",
+                                       "train.critic_warmup_steps=1"),
+    # advantages beside the log-probs; resample generates and scores more rounds.
+    "grpo, dynamic sampling, kl in the loss": ("tiny-grpo", "algo.dynamic_sampling=true",
+                                               "algo.kl_coef=0.05"),
+    "ppo, one-step-off": ("tiny-ppo", "pipeline.mode=one_step_off", "pipeline.rollout_dp=1"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_concurrent_phases_give_the_serial_run_bit_for_bit(case: str, tmp_path: Path) -> None:
+    name, *sets = CASES[case]
+    assert_concurrent_is_serial(config(name, *sets), tmp_path)
+
+
+def test_a_reward_model_beside_the_rule_reward_gives_the_serial_scores(tmp_path: Path) -> None:
+    from tests.test_ppo_reward_model import save_reward_model
+
+    rm = save_reward_model(tmp_path / "rm")
+    assert_concurrent_is_serial(config("tiny-grpo", f"reward_model.path={rm}",
+                                       "reward_model.rule_weight=0.5", "train.steps=1"),
+                                tmp_path)
+
+
+@pytest.mark.slow
+def test_concurrent_phases_give_the_serial_run_on_ray(tmp_path: Path, ray_cluster: None) -> None:
+    assert_concurrent_is_serial(config("tiny-ppo", "algo.kl_coef=0.05", inprocess=False),
+                                tmp_path)
+
+
+# ---- a phase failing while others are in flight -----------------------------------------------
+
+class FailingRewardTask(EchoFirstTask):
+    """The echo task, but its reward function raises: the reward phase fails while the
+    policy's log-probs and the critic's values are in flight."""
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        raise ValueError("this reward function fails on purpose")
+
+
+def make_failing_reward_task() -> FailingRewardTask:
+    return FailingRewardTask()
+
+
+def failure(cfg: PPOConfig) -> WorkerError:
+    """The error step 0 of `cfg` ends with."""
+    with pytest.raises(WorkerError) as err:  # noqa: PT012 - the error comes from the step
+        with Trainer(cfg) as trainer:
+            trainer.start()
+            trainer.train_step(0)
+    return err.value
+
+
+@pytest.mark.parametrize("task, sets, headline", [
+    ("tests.test_concurrent_phases:make_failing_reward_task", (),
+     r"reward\[0\]\.score\(\) raised"),
+    ("tests.test_ppo_failures:make_hung_task", ("train.call_timeout_s=2",),
+     r"reward\[0\]\.score\(\) timeout: ranks \[0\] still running after 2\.0 s"),
+], ids=["raises", "times out"])
+def test_a_failing_phase_ends_the_step_with_the_serial_runs_error(
+        task: str, sets: tuple[str, ...], headline: str, tmp_path: Path) -> None:
+    cfg = config("tiny-ppo", f"task.name={task}", "task.options=", *sets,
+                 f"train.out_dir={tmp_path}")
+    serial = failure(cfg)
+    concurrent = failure(with_overrides(cfg, [CONCURRENT]))
+    assert concurrent.headline == serial.headline  # the command's one-line report
+    assert str(concurrent).splitlines()[0] == str(serial).splitlines()[0]
+    assert (concurrent.role, concurrent.rank, concurrent.method) == ("reward", 0, "score")
+    assert re.match(headline, str(concurrent)), str(concurrent)
+
+
+@pytest.mark.slow
+def test_a_failing_phase_on_ray_leaks_no_worker(tmp_path: Path, ray_cluster: None) -> None:
+    err = failure(config("tiny-ppo", "task.name=tests.test_concurrent_phases:"
+                         "make_failing_reward_task", "task.options=", CONCURRENT,
+                         f"train.out_dir={tmp_path}", inprocess=False))
+    assert (err.role, err.method, err.reason) == ("reward", "score", "raised")
+    # `ray_cluster` fails the test if an actor or a placement group is left alive.
