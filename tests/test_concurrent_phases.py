@@ -12,6 +12,7 @@ In-process runs take seconds (one rank per role); the Ray test uses `ray_cluster
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 from avrid.dispatch import Batch
 from avrid.pipeline import make_trainer
 from avrid.ppo.driver.trainer import Trainer
+from avrid.ppo.roles.critic import CriticWorker
+from avrid.ppo.roles.policy import PolicyWorker
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
@@ -118,6 +121,45 @@ def test_a_reward_model_beside_the_rule_reward_gives_the_serial_scores(tmp_path:
 def test_concurrent_phases_give_the_serial_run_on_ray(tmp_path: Path, ray_cluster: None) -> None:
     assert_concurrent_is_serial(config("tiny-ppo", "algo.kl_coef=0.05", inprocess=False),
                                 tmp_path)
+
+
+# ---- the phases do run at once ----------------------------------------------------------------
+
+def test_independent_phases_are_in_flight_together(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each call of a pair waits at a barrier until the other of its pair has been issued too:
+    # serially the first would wait alone until the barrier breaks; here both pass at once.
+    import avrid.ppo.driver.concurrent as concurrent
+
+    first, updates = threading.Barrier(3, timeout=60), threading.Barrier(2, timeout=60)
+    met: list[str] = []
+
+    def run_shards(group, method, batch, *args, **kwargs):  # noqa: ANN001, ANN202
+        if method in (CriticWorker.compute_values, PolicyWorker.compute_logprobs) and (
+                not kwargs.get("reference")):
+            first.wait()  # with rule_scores: reward | old_logp | values
+            met.append(method.__name__)
+        return real_run_shards(group, method, batch, *args, **kwargs)
+
+    def rule_scores(reward, batch):  # noqa: ANN001, ANN202
+        first.wait()
+        met.append("reward")
+        return real_rule_scores(reward, batch)
+
+    def train_on(self, group, method, *args):  # noqa: ANN001, ANN202
+        updates.wait()  # critic_update | actor_update
+        met.append(method.__qualname__)
+        return real_train_on(self, group, method, *args)
+
+    real_run_shards, real_rule_scores = concurrent.run_shards, concurrent.rule_scores
+    real_train_on = Trainer.train_on
+    monkeypatch.setattr(concurrent, "run_shards", run_shards)
+    monkeypatch.setattr(concurrent, "rule_scores", rule_scores)
+    monkeypatch.setattr(Trainer, "train_on", train_on)
+    cfg = config("tiny-ppo", CONCURRENT, "train.steps=1", f"train.out_dir={tmp_path}")
+    run(cfg)
+    assert sorted(met[:3]) == ["compute_logprobs", "compute_values", "reward"]
+    assert sorted(met[3:]) == ["CriticWorker.update", "PolicyWorker.update"]
 
 
 # ---- a phase failing while others are in flight -----------------------------------------------
