@@ -11,8 +11,13 @@ In-process runs take seconds (one rank per role); the Ray test uses `ray_cluster
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,7 @@ import torch
 
 from avrid.dispatch import Batch
 from avrid.pipeline import make_trainer
+from avrid.ppo.driver.step_graph import step_graph
 from avrid.ppo.driver.trainer import Trainer
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.policy import PolicyWorker
@@ -27,10 +33,14 @@ from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.task import Prompt
+from avrid.results import Span
 from avrid.workers import WorkerError
+from tests.helpers import child_env
 from tests.test_ppo_trainer import EchoFirstTask, algorithmic
 
 pytestmark = pytest.mark.chapter(5)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONCURRENT = "train.concurrent_phases=true"
 
@@ -156,10 +166,36 @@ def test_independent_phases_are_in_flight_together(tmp_path: Path,
     monkeypatch.setattr(concurrent, "run_shards", run_shards)
     monkeypatch.setattr(concurrent, "rule_scores", rule_scores)
     monkeypatch.setattr(Trainer, "train_on", train_on)
-    cfg = config("tiny-ppo", CONCURRENT, "train.steps=1", f"train.out_dir={tmp_path}")
-    run(cfg)
+    cfg = config("tiny-ppo", CONCURRENT, f"train.out_dir={tmp_path}")
+    with Trainer(cfg) as trainer:
+        trainer.start()
+        metrics, _ = trainer.train_step(0)
     assert sorted(met[:3]) == ["compute_logprobs", "compute_values", "reward"]
     assert sorted(met[3:]) == ["CriticWorker.update", "PolicyWorker.update"]
+    # The timeline stays drawable: the driver's side of each group's phases on a lane of its
+    # own, every lane's spans nested or apart (what a trace viewer needs), the phases' times
+    # those of the serial step.
+    lanes = {lane.label: lane for lane in trainer.timeline.lanes}
+    assert {"driver", "driver:policy", "driver:critic", "driver:reward"} <= set(lanes)
+    for lane in lanes.values():
+        assert nested_or_apart(lane.spans), lane.label
+    assert {"old_logp", "values", "reward"} <= {s.name for s in lanes["driver"].spans} | {
+        s.name for label in lanes if label.startswith("driver:") for s in lanes[label].spans}
+    assert [k for k in metrics if k.startswith("time/")] == [
+        *(f"time/{p.name}" for p in step_graph(cfg).phases if p.timed),
+        "time/step", "time/compute", "time/overhead"]
+
+
+def nested_or_apart(spans: tuple[Span, ...]) -> bool:
+    """Whether every two of `spans` are nested or disjoint (no partial overlap)."""
+    open_ends: list[float] = []
+    for s in sorted(spans, key=lambda s: (s.start, -s.end)):
+        while open_ends and open_ends[-1] <= s.start:
+            open_ends.pop()
+        if open_ends and s.end > open_ends[-1]:
+            return False
+        open_ends.append(s.end)
+    return True
 
 
 # ---- a phase failing while others are in flight -----------------------------------------------
@@ -174,6 +210,28 @@ class FailingRewardTask(EchoFirstTask):
 
 def make_failing_reward_task() -> FailingRewardTask:
     return FailingRewardTask()
+
+
+class HungTrainingRewardTask(EchoFirstTask):
+    """The echo task with validation prompts of their own, whose reward function never
+    returns for a training prompt: a run validates, then hangs in its first reward phase,
+    while the policy's log-probs and the critic's values run beside it."""
+
+    def val_prompts(self) -> list[Prompt]:
+        return [Prompt(index=i, text=p.text, answer=p.answer, metadata={"val": True})
+                for i, p in enumerate(self.train_prompts()[:3])]
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        if prompt.metadata.get("val"):
+            return super().reward(prompt, response)
+        if mark := os.environ.get("AVRID_TEST_HUNG_MARK"):
+            Path(mark).touch()  # tells the test that the hang has begun
+        time.sleep(3600)
+        return 0.0
+
+
+def make_hung_training_reward_task() -> HungTrainingRewardTask:
+    return HungTrainingRewardTask()
 
 
 def failure(cfg: PPOConfig) -> WorkerError:
@@ -201,6 +259,28 @@ def test_a_failing_phase_ends_the_step_with_the_serial_runs_error(
     assert str(concurrent).splitlines()[0] == str(serial).splitlines()[0]
     assert (concurrent.role, concurrent.rank, concurrent.method) == ("reward", 0, "score")
     assert re.match(headline, str(concurrent)), str(concurrent)
+
+
+@pytest.mark.slow
+def test_one_ctrl_c_stops_a_run_hung_in_a_phase_beside_others(tmp_path: Path) -> None:
+    mark = tmp_path / "hung"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "avrid.cli", "ppo", "--backend", "inprocess", "--task",
+         "tests.test_concurrent_phases:make_hung_training_reward_task", "--out",
+         str(tmp_path / "run"), "--set", "train.progress=false", "--set", CONCURRENT],
+        cwd=ROOT, env=child_env(AVRID_TEST_HUNG_MARK=str(mark)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never hung"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)  # one Ctrl-C, and it is gone
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted; no checkpoint was written yet" in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow

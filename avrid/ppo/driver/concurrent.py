@@ -17,7 +17,9 @@ Bit for bit the serial run, by construction: a phase reads the batch its predece
 rebuilt in the serial order (`_Run.batch_for`: the same columns, the very same tensors), so
 every call gets the input it gets serially; and once every phase has finished, the batch,
 the calls kept for the metrics and each phase's spans are put together in the serial order,
-so the metrics average the same numbers in the same order.
+so the metrics average the same numbers in the same order. On the timeline the driver's side
+of each worker group's phases gets a lane of its own (``driver:critic``, ...), since they
+overlap in time.
 
 Failures: the first phase to fail (the earliest in the serial order among those that failed
 together) ends the step with its own error, the one the serial run raises for that call.
@@ -43,7 +45,7 @@ from avrid.dispatch import Batch
 from avrid.ppo.data.columns import add_columns, reads
 from avrid.ppo.data.credit import compute_advantages
 from avrid.ppo.driver.scoring import combined, model_scores, rule_scores
-from avrid.ppo.driver.step_graph import DRIVER, StepGraph, learn_graph
+from avrid.ppo.driver.step_graph import DRIVER, StepGraph, StepPhase, learn_graph
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
 from avrid.results import Merged, Phases, run_shards
@@ -94,9 +96,17 @@ def learn_concurrently(trainer: Trainer, step: int, batch: Batch,
             name = running.pop(future)
             run.done[name] = future.result()  # the first failure is raised here, as itself
     outcomes = [run.done[n] for n in order]
-    for outcome in outcomes:
-        phases.extend(outcome.phases)
+    for name, outcome in zip(order, outcomes, strict=True):
+        phases.extend(outcome.phases, lane=_driver_lane(graph.phase(name)))
     return run.batch_for(order), [m for o in outcomes for m in o.kept]
+
+
+def _driver_lane(phase: StepPhase) -> str | None:
+    """The timeline lane of the driver's side of `phase`: one per worker group and lane
+    (phases on one never overlap: the graph chains them), the driver's own for its phases."""
+    if phase.group == DRIVER:
+        return None
+    return f"{DRIVER}:{phase.group}" + ("" if phase.lane == "default" else f":{phase.lane}")
 
 
 def _start(name: str, body: Callable[[], Outcome], *, inline: bool) -> Future[Outcome]:
