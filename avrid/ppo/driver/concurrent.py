@@ -10,7 +10,8 @@ them to finish, and issues what that made ready. PPO with the critic on its own 
 
     reward | old_logp | values        (three groups at once; each reads only the tokens)
     ref_logp                          (policy order: after old_logp)
-    advantages                        (on the driver, in this thread: a few tensor ops)
+    advantages                        (the driver's own, like resample and combine_scores:
+                                       run in this thread while the workers' phases go on)
     critic_update | actor_update      (two groups at once)
 
 Bit for bit the serial run, by construction: a phase reads the batch its predecessors made,
@@ -19,7 +20,8 @@ every call gets the input it gets serially; and once every phase has finished, t
 the calls kept for the metrics and each phase's spans are put together in the serial order,
 so the metrics average the same numbers in the same order. On the timeline the driver's side
 of each worker group's phases gets a lane of its own (``driver:critic``, ...), since they
-overlap in time.
+overlap in time. (`time/compute` still sums each call's busiest rank, so with calls that
+overlap it can exceed the step, and `time/overhead` reads 0.)
 
 Failures: the first phase to fail (the earliest in the serial order among those that failed
 together) ends the step with its own error, the one the serial run raises for that call.
@@ -80,14 +82,18 @@ def learn_concurrently(trainer: Trainer, step: int, batch: Batch,
     running: dict[Future[Outcome], str] = {}
     issued: set[str] = set()
     while len(run.done) < len(order):
-        for name in graph.ready(["generate", *run.done]):  # generated: `batch`
-            if name in issued or name not in order:
-                continue
+        ready = [n for n in graph.ready(["generate", *run.done])  # generated: `batch`
+                 if n in order and n not in issued]
+        if ready:  # one at a time, in the serial order: a driver phase may ready more
+            name = ready[0]
             if run.may_tend(list(running.values()), issued):
                 phases.boundary()
             issued.add(name)
-            inline = graph.phase(name).group == DRIVER and name != "resample"
-            running[_start(name, run.body(name), inline=inline)] = name
+            if graph.phase(name).group == DRIVER:  # the driver's own work: here, now
+                run.done[name] = run.body(name)()
+            else:
+                running[_start(name, run.body(name))] = name
+            continue
         if not running:  # nothing in flight, nothing ready: the graph cannot be finished
             raise RuntimeError(f"step {step}: phases {sorted(set(order) - issued)} wait for "
                                f"phases that never run")
@@ -109,10 +115,9 @@ def _driver_lane(phase: StepPhase) -> str | None:
     return f"{DRIVER}:{phase.group}" + ("" if phase.lane == "default" else f":{phase.lane}")
 
 
-def _start(name: str, body: Callable[[], Outcome], *, inline: bool) -> Future[Outcome]:
-    """Run `body` in a daemon thread (a stuck call never keeps the driver from exiting;
-    its workers are stopped by the trainer's close), or `inline` in this one; its outcome
-    or its exception in a future either way."""
+def _start(name: str, body: Callable[[], Outcome]) -> Future[Outcome]:
+    """Run `body` in a daemon thread (a stuck call never keeps the driver from exiting; its
+    workers are stopped by the trainer's close); its outcome or its exception in a future."""
     future: Future[Outcome] = Future()
 
     def run() -> None:
@@ -121,13 +126,7 @@ def _start(name: str, body: Callable[[], Outcome], *, inline: bool) -> Future[Ou
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             future.set_exception(exc)
 
-    if inline:
-        try:
-            future.set_result(body())
-        except Exception as exc:  # noqa: BLE001 - raised in order, like a thread's
-            future.set_exception(exc)
-    else:
-        threading.Thread(target=run, name=f"phase:{name}", daemon=True).start()
+    threading.Thread(target=run, name=f"phase:{name}", daemon=True).start()
     return future
 
 

@@ -134,7 +134,9 @@ class TrainConfig:
     workers are free (`driver/concurrent.py`, by the graph `avrid ppo --print-graph` prints):
     with the critic on a pool of its own its values run beside the policy's log-probs, its
     update beside the actor's. The same metrics, samples and weights bit for bit; only the
-    time changes. Off: one phase after another, as chapter 5 reads them."""
+    time changes. Roles that share devices (colocate_critic=true) then compute on them at
+    once: more memory at a time, little to gain. Off: one phase after another, as chapter 5
+    reads them."""
     seed: int = 0
     """Seeds model init, data order and sampling: same seed, same metrics. 0 <= seed < 2**32
     (each step's sampling seed is derived from it and must fit 64 bits)."""
