@@ -246,8 +246,9 @@ def failure(cfg: PPOConfig) -> WorkerError:
 @pytest.mark.parametrize("task, sets, headline", [
     ("tests.test_concurrent_phases:make_failing_reward_task", (),
      r"reward\[0\]\.score\(\) raised"),
-    ("tests.test_ppo_failures:make_hung_task", ("train.call_timeout_s=2",),
-     r"reward\[0\]\.score\(\) timeout: ranks \[0\] still running after 2\.0 s"),
+    pytest.param("tests.test_ppo_failures:make_hung_task", ("train.call_timeout_s=2",),
+                 r"reward\[0\]\.score\(\) timeout: ranks \[0\] still running after 2\.0 s",
+                 marks=pytest.mark.slow),  # 2 s of timeout and 5 s of close grace, twice
 ], ids=["raises", "times out"])
 def test_a_failing_phase_ends_the_step_with_the_serial_runs_error(
         task: str, sets: tuple[str, ...], headline: str, tmp_path: Path) -> None:
