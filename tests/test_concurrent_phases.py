@@ -109,6 +109,8 @@ CASES = {
     "grpo, dynamic sampling, kl in the loss": ("tiny-grpo", "algo.dynamic_sampling=true",
                                                "algo.kl_coef=0.05"),
     "ppo, one-step-off": ("tiny-ppo", "pipeline.mode=one_step_off", "pipeline.rollout_dp=1"),
+    # the reference is the actor with its adapters off: the same ranks, in the policy's order
+    "ppo, lora, kl in the loss": ("tiny-ppo-lora", "algo.kl_coef=0.05"),
 }
 
 
@@ -129,8 +131,8 @@ def test_a_reward_model_beside_the_rule_reward_gives_the_serial_scores(tmp_path:
 
 @pytest.mark.slow
 def test_concurrent_phases_give_the_serial_run_on_ray(tmp_path: Path, ray_cluster: None) -> None:
-    assert_concurrent_is_serial(config("tiny-ppo", "algo.kl_coef=0.05", inprocess=False),
-                                tmp_path)
+    assert_concurrent_is_serial(config("tiny-ppo", "algo.kl_coef=0.05", "train.steps=1",
+                                       inprocess=False), tmp_path)
 
 
 # ---- the phases do run at once ----------------------------------------------------------------
@@ -140,8 +142,9 @@ def test_independent_phases_are_in_flight_together(tmp_path: Path,
     # Each call of a pair waits at a barrier until the other of its pair has been issued too:
     # serially the first would wait alone until the barrier breaks; here both pass at once.
     import avrid.ppo.driver.concurrent as concurrent
+    import avrid.ppo.driver.scoring as scoring
 
-    first, updates = threading.Barrier(3, timeout=60), threading.Barrier(2, timeout=60)
+    first, updates = threading.Barrier(3, timeout=30), threading.Barrier(2, timeout=30)
     met: list[str] = []
 
     def run_shards(group, method, batch, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -161,10 +164,10 @@ def test_independent_phases_are_in_flight_together(tmp_path: Path,
         met.append(method.__qualname__)
         return real_train_on(self, group, method, *args)
 
-    real_run_shards, real_rule_scores = concurrent.run_shards, concurrent.rule_scores
+    real_run_shards, real_rule_scores = concurrent.run_shards, scoring.rule_scores
     real_train_on = Trainer.train_on
     monkeypatch.setattr(concurrent, "run_shards", run_shards)
-    monkeypatch.setattr(concurrent, "rule_scores", rule_scores)
+    monkeypatch.setattr(scoring, "rule_scores", rule_scores)  # the trainer's `score` calls it
     monkeypatch.setattr(Trainer, "train_on", train_on)
     cfg = config("tiny-ppo", CONCURRENT, f"train.out_dir={tmp_path}")
     with Trainer(cfg) as trainer:

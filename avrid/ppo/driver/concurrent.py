@@ -175,12 +175,15 @@ class _Run:
     # ---- the phases, as `Trainer.learn` (and `scoring.score_batch`) runs them ----------------
 
     def reward(self, batch: Batch, local: Phases) -> Outcome:
+        t = self.trainer
+        if not t.config.reward_model.enabled:  # the trainer's own `score` (chapter 7's: none)
+            scored, calls = t.score(batch, local)
+            return Outcome(_added(batch, scored), [local.add(c) for c in calls], local)
+        # With a reward model, `scoring.score_batch`'s two calls, each a phase of its own (a
+        # trainer that scores otherwise, chapter 7's, takes no reward model).
         with local("reward"):
-            call = local.add(rule_scores(self.trainer.reward, batch))
-        if self.trainer.config.reward_model.enabled:  # combine_scores weighs it
-            return Outcome(lambda b: b, [call], local)
-        score = call.batch.scalars["score"]
-        return Outcome(lambda b: add_columns(b, scalars={"score": score}), [call], local)
+            call = local.add(rule_scores(t.reward, batch))
+        return Outcome(lambda b: b, [call], local)  # combine_scores weighs it
 
     def reward_model(self, batch: Batch, local: Phases) -> Outcome:
         if self.trainer.reward_model is None:
@@ -230,10 +233,7 @@ class _Run:
         t = self.trainer
         with local("advantages"):
             out = compute_advantages(batch, t.config, max_response=t.max_response)
-        # What it added (or replaced), taken as it is: the very tensors the serial run holds.
-        packed = {k: v for k, v in out.packed.items() if batch.packed.get(k) is not v}
-        scalars = {k: v for k, v in out.scalars.items() if batch.scalars.get(k) is not v}
-        return Outcome(lambda b: add_columns(b, packed=packed, scalars=scalars), [], local)
+        return Outcome(_added(batch, out), [], local)
 
     def critic_update(self, batch: Batch, local: Phases) -> Outcome:
         t = self.trainer
@@ -248,3 +248,11 @@ class _Run:
             calls = t.train_on(t.policy, PolicyWorker.update,
                                reads(batch, actor_update_reads(t.config)), self.step, local)
         return Outcome(lambda b: b, calls, local)
+
+
+def _added(before: Batch, after: Batch) -> Callable[[Batch], Batch]:
+    """The update that adds to a batch what `after` holds beyond `before` (new or replaced
+    columns), taken as they are: the very tensors the serial run holds."""
+    packed = {k: v for k, v in after.packed.items() if before.packed.get(k) is not v}
+    scalars = {k: v for k, v in after.scalars.items() if before.scalars.get(k) is not v}
+    return lambda b: add_columns(b, packed=packed, scalars=scalars)
