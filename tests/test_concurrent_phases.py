@@ -1,10 +1,11 @@
 """`train.concurrent_phases=true` (`avrid/ppo/driver/concurrent.py`): each phase issued as soon
 as the phases it reads from have finished gives the serial run bit for bit — every algorithmic
 metric, every column of every step's batch (the samples), the final weights — for PPO (the
-critic on its own pool, a KL term, a warm-up step), GRPO with dynamic sampling, a reward
-model beside the rule reward, one-step-off, in process and on Ray; and a phase that fails,
-or times out, while others are in flight ends the step with the serial run's error, leaking
-nothing.
+critic on its own pool, a KL term, a warm-up step), GRPO with dynamic sampling, LoRA (the
+reference on the same ranks), a reward model beside the rule reward, one-step-off, in
+process and on Ray (chapter 7's episodes: `tests/test_agents_pipeline.py`); the phases that
+may run together do; and a phase that fails, times out or is interrupted while others are
+in flight ends the step as the serial run does, leaking nothing.
 
 In-process runs take seconds (one rank per role); the Ray test uses `ray_cluster`.
 """

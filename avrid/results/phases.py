@@ -10,6 +10,9 @@ workers' compute on the critical path and the rest: overhead) and its `Timeline`
         gen = phases.add(run_shards(policy, PolicyWorker.generate, prompts))
     phases.times()["time/generate"], phases.timeline().to_chrome_trace("step.json")
 
+Phases that run at once (chapter 5's concurrent controller) are each timed on a `Phases` of
+their own and `extend`ed back in a fixed order, their driver spans on lanes of their own.
+
 Not here: what a phase does (the trainer decides), and drawing (`timeline.py`).
 """
 
