@@ -75,3 +75,16 @@ def test_one_step_off_episodes_are_one_version_old_token_by_token() -> None:
         versions = batch.packed["token_version"].values
         assert set(versions[mask].tolist()) == {max(0, step - 1)}
         assert len(batch) == 16
+
+
+def test_concurrent_phases_on_episodes_are_the_serial_run_bit_for_bit() -> None:
+    # `train.concurrent_phases` keeps chapter 7's scoring: the environment's, no reward call.
+    serial_rows, serial_batches, (_, serial_w) = run(config("train.steps=2"))
+    rows, batches, (tr, weights) = run(config("train.steps=2", "train.concurrent_phases=true"))
+    assert type(tr) is AgentTrainer
+    assert algorithmic(rows) == algorithmic(serial_rows)
+    for a, b in zip(serial_batches, batches, strict=True):
+        assert list(a.packed) == list(b.packed) and list(a.scalars) == list(b.scalars)
+        assert all(torch.equal(a.packed[n].values, b.packed[n].values) for n in a.packed)
+        assert all(torch.equal(a.scalars[n], b.scalars[n]) for n in a.scalars)
+    assert all(torch.equal(serial_w[m][n], weights[m][n]) for m in weights for n in weights[m])

@@ -9,6 +9,7 @@ adapters in `tests/test_ppo_vllm_loop.py`)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from avrid.pipeline import make_trainer
 from avrid.ppo.driver.run import train
-from avrid.ppo.engines.models import build_tiny_policy, tiny_spec
+from avrid.ppo.engines.models import build_tiny_policy, seeded_init, tiny_spec
 from avrid.ppo.outputs.checkpoint import latest_checkpoint, load_checkpoint
 from avrid.ppo.outputs.shards import read_model_weights
 from avrid.ppo.roles import lora
@@ -69,6 +70,30 @@ def test_the_config_checks_each_field() -> None:
                                                         f"lora.sync={sync}"]).lora.enabled
     with pytest.raises(ValueError, match=r"lora.rank.*rank <= 512, got 600.*lora.sync=merged"):
         with_overrides(preset("tiny-grpo"), [*vllm, "lora.rank=600"])
+
+
+def test_the_adapters_are_drawn_while_no_other_worker_of_the_process_draws() -> None:
+    # In process, every worker builds its models on a thread of one process: A's draw from
+    # torch's global RNG must wait while another worker seeds it and draws (the critic's
+    # initialisation ran beside it, and two runs of one seed got different critics).
+    inside, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def other_worker() -> None:
+        with seeded_init(1):
+            inside.set()
+            release.wait(30)
+
+    model = policy()  # (built under the same lock)
+    threading.Thread(target=other_worker, daemon=True).start()
+    assert inside.wait(30)
+    threading.Thread(target=lambda: (lora.attach(model, LoraConfig(rank=RANK), seed=5),
+                                     done.set()), daemon=True).start()
+    assert not done.wait(1.0), "the adapters were drawn while another worker drew"
+    release.set()
+    assert done.wait(30)
+    again = lora.attach(policy(), LoraConfig(rank=RANK), seed=5)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(),
+                                                 strict=True))
 
 
 def test_adapters_start_as_the_base_train_alone_and_switch_off_for_the_reference() -> None:

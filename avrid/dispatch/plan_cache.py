@@ -18,6 +18,7 @@ This file does not plan (`plan.py`) and does not send anything (`send.py`).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -33,6 +34,7 @@ CACHE_SIZE = 16
 
 _plans: OrderedDict[Hashable, DispatchPlan] = OrderedDict()
 _counts = {"hits": 0, "misses": 0}
+_lock = threading.Lock()  # the concurrent controller plans from several driver threads
 
 
 def cached_plan(batch: Batch, num_shards: int,
@@ -46,16 +48,17 @@ def cached_plan(batch: Batch, num_shards: int,
     # hashing 3 x n x 8 bytes is far cheaper than turning them into Python ints.
     key = (num_shards, config, _raw(batch.sample_ids), _raw(batch.prompt_lens),
            _raw(batch.response_lens))
-    plan = _plans.get(key)
-    if plan is not None:
-        _plans.move_to_end(key)
-        _counts["hits"] += 1
+    with _lock:  # a lookup and its move, or an insert and its eviction, as one step
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            _counts["hits"] += 1
+            return plan
+        _counts["misses"] += 1
+        plan = _plans[key] = make_plan(batch, num_shards, config)  # errors are never cached
+        if len(_plans) > CACHE_SIZE:
+            _plans.popitem(last=False)
         return plan
-    _counts["misses"] += 1
-    plan = _plans[key] = make_plan(batch, num_shards, config)  # errors are never cached
-    if len(_plans) > CACHE_SIZE:
-        _plans.popitem(last=False)
-    return plan
 
 
 def plan_cache_stats() -> dict[str, int]:

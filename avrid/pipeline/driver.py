@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,9 +92,8 @@ class _TendingPhases(Phases):
         super().__init__()
         self._tend = tend
 
-    def __call__(self, name: str) -> AbstractContextManager[None]:
+    def boundary(self) -> None:
         self._tend()
-        return super().__call__(name)
 
 
 class PipelinedTrainer(Trainer):

@@ -142,9 +142,9 @@ def step_timeline(phases: Phases, collected: Sequence[Merged], push_spans: Seque
     (the driver's spans and each rank's side, `push_result`)."""
     results = [r for m in [*phases.merged, *collected] for r in m.results]
     results += push_ranks
-    driver = [*phases.spans, *push_spans,
-              *(s for m in [*phases.merged, *collected] for s in m.driver_spans)]
-    return Timeline.from_results(results, driver_spans=driver)
+    driver = [*phases.driver_spans(), *push_spans,
+              *(s for m in collected for s in m.driver_spans)]
+    return phases.with_driver_lanes(Timeline.from_results(results, driver_spans=driver))
 
 
 def push_result(identity: WorkerIdentity, start: float, end: float) -> WorkerResult:

@@ -10,6 +10,9 @@ workers' compute on the critical path and the rest: overhead) and its `Timeline`
         gen = phases.add(run_shards(policy, PolicyWorker.generate, prompts))
     phases.times()["time/generate"], phases.timeline().to_chrome_trace("step.json")
 
+Phases that run at once (chapter 5's concurrent controller) are each timed on a `Phases` of
+their own and `extend`ed back in a fixed order, their driver spans on lanes of their own.
+
 Not here: what a phase does (the trainer decides), and drawing (`timeline.py`).
 """
 
@@ -21,7 +24,7 @@ from contextlib import AbstractContextManager
 
 from avrid.results.merge import Merged
 from avrid.results.result import Span, WorkerResult, compute_seconds, timed
-from avrid.results.timeline import Timeline
+from avrid.results.timeline import DRIVER, Lane, Timeline
 
 
 class Phases:
@@ -33,10 +36,37 @@ class Phases:
         self.merged: list[Merged] = []
         self.calls: list[tuple[WorkerResult, ...]] = []
         """Every call's worker results: those of `merged`, then those `record`ed."""
+        self.driver_lanes: dict[str, list[Span]] = {}
+        """Driver spans drawn on lanes of their own (`extend`), by lane label."""
+        self._elsewhere: set[int] = set()  # ids of the spans and calls drawn on those lanes
 
     def __call__(self, name: str) -> AbstractContextManager[None]:
         """Time the phase `name` (a driver span on the timeline)."""
+        self.boundary()
         return timed(self.spans, name)
+
+    def boundary(self) -> None:
+        """Called as each phase begins: nothing here; chapter 6's phases tend the pipeline
+        (collect a finished generation, start the next) at every boundary."""
+
+    def extend(self, other: Phases, *, lane: str | None = None) -> None:
+        """Append `other`'s spans and calls: a phase timed on a `Phases` of its own (the
+        concurrent controller runs each in a thread of its own, then puts them back in the
+        serial order, so the step's spans and calls read as the serial run's). `lane`: draw
+        its driver spans on a driver lane of that name, not the driver's own: phases that
+        overlap in time go on lanes of their own, so that no lane holds two at once."""
+        self.spans.extend(other.spans)
+        self.merged.extend(other.merged)
+        self.calls.extend(other.calls)
+        if lane is not None:
+            self.driver_lanes.setdefault(lane, []).extend(other.driver_spans())
+            self._elsewhere.update(id(x) for x in [*other.spans, *other.merged])
+
+    def driver_spans(self) -> list[Span]:
+        """The spans of the driver's own lane: its phases and each call's plan / split /
+        submit / wait / receive / merge (those `extend`ed onto lanes of their own left out)."""
+        return [s for s in self.spans if id(s) not in self._elsewhere] + [
+            s for m in self.merged if id(m) not in self._elsewhere for s in m.driver_spans]
 
     def add(self, merged: Merged) -> Merged:
         """Keep a call's results for the timing and the timeline; returns it unchanged."""
@@ -69,5 +99,11 @@ class Phases:
         """The step's spans — every worker's (compute, unpack, pack) and the driver's (phases,
         and each call's plan / split / submit / wait / receive / merge)."""
         results = [r for call in self.calls for r in call]
-        driver = self.spans + [s for m in self.merged for s in m.driver_spans]
-        return Timeline.from_results(results, driver_spans=driver)
+        return self.with_driver_lanes(Timeline.from_results(results,
+                                                            driver_spans=self.driver_spans()))
+
+    def with_driver_lanes(self, timeline: Timeline) -> Timeline:
+        """`timeline` and the `driver_lanes`, each a lane of the driver's group."""
+        return Timeline(lanes=timeline.lanes + tuple(
+            Lane(label=label, group=DRIVER, spans=tuple(spans))
+            for label, spans in self.driver_lanes.items() if spans))

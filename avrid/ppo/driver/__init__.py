@@ -19,4 +19,6 @@ Read in this order:
 9. step_graph.py  the step as a graph: each phase's group, the columns it reads and writes,
                   what it waits for, derived from them (`avrid ppo --print-graph`)
 10. step_graph_figure.py  that graph drawn, left to right, one lane per worker group
+11. concurrent.py  with `train.concurrent_phases`: `learn`'s phases issued by that graph,
+                   each once its inputs are ready, the results put back in the serial order
 """

@@ -8,19 +8,23 @@ each one dispatch and one canonical result, each its own bar on the timeline:
     reward_model  the reward model's ranks (`roles/reward_model.py`), the batch split over
                   them by chapter 2's token-aware planner -> "model_score"
 
-and combines them (`reward_model.py` in setup explains the weights):
+and combines them (`combined`; `reward_model.py` in setup explains the weights):
 
     score = rule_weight x rule_score + weight x model_score
 
 Without a reward model the score is the rule reward itself, untouched (same-seed metrics do
 not move); with ``rule_weight=0`` the rule reward is not computed at all. This file knows
-nothing of steps, advantages or validation: it scores a batch and returns the calls made.
+nothing of steps, advantages or validation: it scores a batch and returns the calls made
+(its three parts are public so that the concurrent controller, `concurrent.py`, can run the
+two calls side by side).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+
+import torch
 
 from avrid.dispatch import Batch, DispatchConfig
 from avrid.ppo.data.columns import add_columns
@@ -45,21 +49,37 @@ def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
     rule = None
     if not config.enabled or config.rule_weight != 0:
         with phase("reward"):
-            calls.append(run_shards(reward, RewardWorker.score, batch.only(*SCORE_READS)))
+            calls.append(rule_scores(reward, batch))
         rule = calls[-1].batch.scalars["score"]
         if not config.enabled:  # the rule reward alone, as it is
             return add_columns(batch, scalars={"score": rule}), calls
     if model is None:
         raise ValueError("reward_model.path is set but no reward_model group was started")
+    with phase("reward_model"):
+        calls.append(model_scores(model, batch))
+    model_score = calls[-1].batch.scalars["model_score"]
+    return add_columns(batch, scalars=combined(config, rule, model_score)), calls
+
+
+def rule_scores(reward: WorkerGroup, batch: Batch) -> Merged:
+    """The rule reward worker's call on `batch`: its "score" scalar is the rule score."""
+    return run_shards(reward, RewardWorker.score, batch.only(*SCORE_READS))
+
+
+def model_scores(model: WorkerGroup, batch: Batch) -> Merged:
+    """The reward model's call on `batch`: its "model_score" scalar."""
     # The plan balances the policy's token counts over the ranks (Karmarkar-Karp), a proxy
     # for the RM's; it cuts no micro-batches: each rank cuts its forwards by its own
     # tokenizer's lengths (`padded_micro_batches`), which only it knows.
-    dispatch = DispatchConfig()
-    with phase("reward_model"):
-        calls.append(run_shards(model, RewardModelWorker.score, batch.only(*SCORE_READS),
-                                dispatch))
-    model_score = calls[-1].batch.scalars["model_score"]
+    return run_shards(model, RewardModelWorker.score, batch.only(*SCORE_READS),
+                      DispatchConfig())
+
+
+def combined(config: RewardModelConfig, rule: torch.Tensor | None,
+             model_score: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The "score" and "model_score" columns: rule_weight x rule + weight x model_score
+    (`rule` None: the rule reward was not computed, ``rule_weight=0``)."""
     score = config.weight * model_score
     if rule is not None:
         score = config.rule_weight * rule + score
-    return add_columns(batch, scalars={"score": score, "model_score": model_score}), calls
+    return {"score": score, "model_score": model_score}

@@ -218,6 +218,18 @@ def step_phases(config: PPOConfig, *, updates_actor: bool = True) -> tuple[StepP
         raise ValueError(f"the step graph is the synchronous loop's (pipeline.mode='sync'); "
                          f"pipeline.mode={config.pipeline.mode!r} generates on a rollout pool "
                          f"of its own (chapter 6), which it does not draw yet")
+    return _phases(config, updates_actor)
+
+
+def learn_graph(config: PPOConfig, *, updates_actor: bool = True) -> StepGraph:
+    """The graph the concurrent controller (`concurrent.py`) runs `Trainer.learn` by: the
+    step's, in every pipeline mode (chapter 6's learner runs the same phases on the batch
+    its rollout pool generated, which stands for the generate phase here)."""
+    return build_graph(_phases(config, updates_actor))
+
+
+def _phases(config: PPOConfig, updates_actor: bool) -> tuple[StepPhase, ...]:
+    """`step_phases` without its check of the pipeline mode."""
     a, rm = config.algo, config.reward_model
     generated = PROMPT_COLUMNS + GENERATE_WRITES
     out = [StepPhase("generate", "policy", (), generated, "actor's rollout engine",

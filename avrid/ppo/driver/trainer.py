@@ -46,6 +46,7 @@ from avrid.ppo.data.prompts import (
     prompt_batch,
     step_indices,
 )
+from avrid.ppo.driver.concurrent import learn_concurrently
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
 from avrid.ppo.driver.scoring import Phase, score_batch
 from avrid.ppo.driver.stopping import keep_own_sigterm
@@ -269,8 +270,10 @@ class Trainer:
         return step >= self.config.train.critic_warmup_steps
 
     def learn(self, step: int, batch: Batch, phases: Phases) -> tuple[Batch, list[Merged]]:
-        """Everything of a step after generation, up to the actor's update: reward, log-probs,
-        values, advantages and the updates. Returns the scored batch and the calls' results."""
+        """Everything after generation up to the actor's update, phase by phase (each issued
+        once it may run with `train.concurrent_phases`). Returns the scored batch and calls."""
+        if self.config.train.concurrent_phases:  # the same phases, each issued when ready
+            return learn_concurrently(self, step, batch, phases)
         cfg, a = self.config, self.config.algo
         batch, scored = self.score(batch, phases)  # "reward" (and "reward_model") phases
         done: list[Merged] = [phases.add(m) for m in scored]
@@ -299,12 +302,12 @@ class Trainer:
         updates: list[Merged] = []
         if self.critic is not None:
             with phases("critic_update"):
-                updates += self._update(self.critic, CriticWorker.update,
-                                        reads(batch, CRITIC_UPDATE_READS), step, phases)
+                updates += self.train_on(self.critic, CriticWorker.update,
+                                         reads(batch, CRITIC_UPDATE_READS), step, phases)
         if self.updates_actor(step):
             with phases("actor_update"):
-                updates += self._update(self.policy, PolicyWorker.update,
-                                        reads(batch, actor_update_reads(cfg)), step, phases)
+                updates += self.train_on(self.policy, PolicyWorker.update,
+                                         reads(batch, actor_update_reads(cfg)), step, phases)
         return batch, [*done, old, *updates]
 
     def score(self, batch: Batch, phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
@@ -334,8 +337,8 @@ class Trainer:
                                    shaped=lambda b: shaped_scores(b, cfg, self.max_response))
         return batch, calls, stats
 
-    def _update(self, group, method, batch: Batch, step: int,  # noqa: ANN001
-                phases: Phases) -> list[Merged]:
+    def train_on(self, group, method, batch: Batch, step: int,  # noqa: ANN001
+                 phases: Phases) -> list[Merged]:
         """`ppo_epochs` passes of shuffled mini-batches, one optimizer step each; `batch`
         holds the columns `method` reads (its role's ``*_READS``)."""
         t = self.config.train

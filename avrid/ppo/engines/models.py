@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +140,16 @@ def build_tiny_critic(spec: TinyModelSpec, *, seed: int,
 
 
 _INIT_LOCK = threading.Lock()
+
+
+@contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Draws from torch's process-global RNG seeded with `seed`, its state put back after,
+    and one worker at a time: the in-process backend's workers share the process, and one
+    seeding it while another draws its weights would make both depend on the timing."""
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _build(cls: type, config: object, seed: int, dtype: torch.dtype) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
+from avrid.ppo.engines.models import seeded_init
 from avrid.ppo.setup.lora import LoraConfig
 
 ADAPTER = "default"
@@ -48,8 +49,10 @@ def attach(model: torch.nn.Module, lora: LoraConfig, *, seed: int) -> torch.nn.M
 
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=lora.targets, bias="none")
-    with torch.random.fork_rng(devices=[]):  # the run's other random draws stay as they were
-        torch.manual_seed(seed)
+    # A's draw: the run's other random draws stay as they were, and in process no other
+    # worker seeds or draws meanwhile (the critic's initialisation ran beside it, and the two
+    # runs of one seed got different critics).
+    with seeded_init(seed):
         try:
             model = inject_adapter_in_model(config, model)
         except ValueError as e:  # PEFT's "Target modules {...} not found in the base model"

@@ -129,6 +129,14 @@ class TrainConfig:
     on when a checkpoint is read (model.path or model.critic_path), off for the tiny models."""
     critic_warmup_steps: int = 0
     """Steps at the start that train only the critic (PPO)."""
+    concurrent_phases: bool = False
+    """Issue each phase of a step as soon as the phases it reads from have finished and its
+    workers are free (`driver/concurrent.py`, by the graph `avrid ppo --print-graph` prints):
+    with the critic on a pool of its own its values run beside the policy's log-probs, its
+    update beside the actor's. The same metrics, samples and weights bit for bit; only the
+    time changes. Roles that share devices (colocate_critic=true) then compute on them at
+    once: more memory at a time, little to gain. Off: one phase after another, as chapter 5
+    reads them."""
     seed: int = 0
     """Seeds model init, data order and sampling: same seed, same metrics. 0 <= seed < 2**32
     (each step's sampling seed is derived from it and must fit 64 bits)."""
@@ -202,6 +210,8 @@ class TrainConfig:
         need(self.gradient_checkpointing is None or isinstance(self.gradient_checkpointing, bool),
              "train.gradient_checkpointing",
              f"must be true, false or null (automatic), got {self.gradient_checkpointing!r}")
+        need(isinstance(self.concurrent_phases, bool), "train.concurrent_phases",
+             f"must be true or false, got {self.concurrent_phases!r}")
         positive("train", keep_checkpoints=self.keep_checkpoints)
         need(bool(self.out_dir), "train.out_dir", "must be a directory path")
 
