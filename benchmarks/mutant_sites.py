@@ -238,9 +238,10 @@ SITES: tuple[Site, ...] = (
     site("grpo_norm_choice", REGISTRY, "norm_by_std=x.algo.grpo_norm_by_std)",
          "norm_by_std=True)", ROLE),
     # ---- issue 44's held-out audit: each survived until its test was written ----
-    site("lora_unseeded", "avrid/ppo/roles/lora.py", "        torch.manual_seed(seed)\n",
-         None, ("tests/test_ppo_lora.py::test_the_adapters_start_from_the_seed_whatever_was_"
-                "drawn_before",)),
+    site("lora_unseeded", "avrid/ppo/roles/lora.py", "    with seeded_init(seed):\n",
+         "    with torch.random.fork_rng(devices=[]):\n",
+         ("tests/test_ppo_lora.py::test_the_adapters_start_from_the_seed_whatever_was_"
+          "drawn_before",)),
     site("episode_cap_ignored", EPISODES,
          "budget = min(limits.turn_tokens - used, limits.max_tokens - len(ep.traj.ids))",
          "budget = limits.turn_tokens - used", EPISODE_LIMITS),

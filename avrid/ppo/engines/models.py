@@ -156,8 +156,7 @@ def _build(cls: type, config: object, seed: int, dtype: torch.dtype) -> torch.nn
     config._attn_implementation = ATTN_IMPLEMENTATION  # type: ignore[attr-defined]
     # transformers initialises from torch's process-global RNG. Two workers sharing a process
     # (the in-process backend's threads) must not seed and draw from it at the same time.
-    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_init(seed):
         model = cls(config)
     return model.to(dtype).eval()
 
