@@ -29,9 +29,8 @@ from avrid.ppo.setup.presets import preset
 from avrid.ppo.setup.tokenizer import make_tokenizer
 from avrid.results import run_shards
 from avrid.workers import PlacementPlan, WorkerError
-from tests.test_concurrent_phases import CONCURRENT, assert_same_batches, assert_same_weights
+from tests.test_concurrent_phases import CONCURRENT, assert_same_batches, assert_same_weights, run
 from tests.test_concurrent_phases import config as short
-from tests.test_concurrent_phases import run
 
 pytestmark = pytest.mark.chapter(5)
 
