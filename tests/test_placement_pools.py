@@ -14,6 +14,7 @@ same order.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,30 @@ def test_pools_of_their_own_give_the_colocated_run_on_ray(tmp_path: Path,
     cfg = short("tiny-ppo", "algo.kl_coef=0.05", "train.steps=1", inprocess=False)
     assert_pool_is_colocated(cfg, tmp_path, POOL, "placement.reference_dp=2",
                              "placement.reward=pool", CONCURRENT)
+
+
+def test_with_a_reference_pool_ref_logp_runs_beside_old_logp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each log-prob call waits at a barrier until the other has been issued too: serially
+    # (or with the reference on the policy's ranks) the first would wait alone and break it.
+    import avrid.ppo.driver.concurrent as concurrent
+    import avrid.ppo.driver.reference as reference
+
+    both = threading.Barrier(2, timeout=30)
+    met: list[str] = []
+
+    def meeting(real):  # noqa: ANN001, ANN202
+        def run_shards(group, method, batch, *args, **kwargs):  # noqa: ANN001, ANN202
+            if method.__name__ == "compute_logprobs":
+                both.wait()
+                met.append(method.__qualname__)
+            return real(group, method, batch, *args, **kwargs)
+        return run_shards
+
+    monkeypatch.setattr(concurrent, "run_shards", meeting(concurrent.run_shards))
+    monkeypatch.setattr(reference, "run_shards", meeting(reference.run_shards))
+    cfg = short("tiny-grpo", "algo.kl_coef=0.05", POOL, CONCURRENT, f"train.out_dir={tmp_path}")
+    with Trainer(cfg) as trainer:
+        trainer.start()
+        trainer.train_step(0)
+    assert sorted(met) == ["PolicyWorker.compute_logprobs", "ReferenceWorker.compute_logprobs"]
