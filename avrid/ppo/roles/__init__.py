@@ -22,6 +22,8 @@ Read in this order:
 12. critic.py      `CriticWorker`: values and the clipped value-loss update
 13. reward_model.py  `RewardModelWorker`: a learned reward model (an HF sequence
                    classifier) scores (prompt + response) texts in padded forwards
+14. reference.py   `ReferenceWorker`: the frozen reference on ranks of its own
+                   (`placement.reference=pool`), the same forward as the policy's
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each
