@@ -177,3 +177,18 @@ def test_with_a_reference_pool_ref_logp_runs_beside_old_logp(
         trainer.start()
         trainer.train_step(0)
     assert sorted(met) == ["PolicyWorker.compute_logprobs", "ReferenceWorker.compute_logprobs"]
+
+
+def test_the_memory_estimate_puts_a_pooled_reference_on_gpus_of_its_own() -> None:
+    from avrid.ppo.setup.memory_estimate import estimate
+
+    cfg = with_overrides(preset("tiny-ppo"), ["algo.kl_coef=0.05"])
+    colocated = estimate(cfg)
+    pooled = estimate(with_overrides(cfg, [POOL, "placement.reference_dp=3"]))
+    assert colocated.gpus == {"policy": 2} and pooled.gpus == {"policy": 2, "reference": 3}
+    assert any(ph.parts.get("ref") for ph in colocated.phases if ph.gpu == "policy")
+    assert not any(ph.parts.get("ref") for ph in pooled.phases if ph.gpu == "policy")
+    (ref,) = [ph for ph in pooled.phases if ph.gpu == "reference"]
+    # A whole copy per rank, in model.dtype (fp32 here): twice a 2-rank policy's half.
+    (half,) = {ph.parts["ref"] for ph in colocated.phases if ph.name == "old log-probs"}
+    assert ref.name == "ref log-probs" and ref.parts["ref"] == 2 * half
