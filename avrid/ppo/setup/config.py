@@ -224,7 +224,8 @@ class TrainConfig:
 class PlacementConfig:
     """Where the roles run. Actor and reference share processes, and in sync mode so does
     the rollout engine (the hybrid engine: no weight copy crosses a process); the critic
-    shares their bundles or gets its own. (`pipeline.rollout_dp`: the rollout pool.)"""
+    shares their bundles or gets its own; the reference and the rule reward may get pools of
+    their own. (`pipeline.rollout_dp`: the rollout pool.)"""
 
     backend: Backend = "ray"
     """"ray" (one process per worker) or "inprocess" (threads; debugging, dp = 1 only)."""
