@@ -108,6 +108,9 @@ SAME = {
     # concurrently: ref_logp beside old_logp, values and reward; the reward on its own pool
     "grpo, concurrent, reward pool": ("tiny-grpo", "algo.kl_coef=0.05", CONCURRENT,
                                       "placement.reward=pool"),
+    # chapter 6's learner (no engine) beside a rollout pool: the same call, the same pool
+    "ppo, one-step-off": ("tiny-ppo", "algo.kl_coef=0.05", "pipeline.mode=one_step_off",
+                          "pipeline.rollout_dp=1"),
 }
 
 
