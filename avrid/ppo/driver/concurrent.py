@@ -9,7 +9,8 @@ serial call (`run_shards`, with its timeout and its fail-fast errors) — waits 
 them to finish, and issues what that made ready. PPO with the critic on its own pool:
 
     reward | old_logp | values        (three groups at once; each reads only the tokens)
-    ref_logp                          (policy order: after old_logp)
+    ref_logp                          (policy order: after old_logp; with
+                                       placement.reference=pool, in the first wave)
     advantages                        (the driver's own, like resample and combine_scores:
                                        run in this thread while the workers' phases go on)
     critic_update | actor_update      (two groups at once)
