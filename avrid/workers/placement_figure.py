@@ -19,7 +19,7 @@ the global backend is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from avrid.workers.placement import Bundle, PlacementPlan, Slot
@@ -120,7 +120,7 @@ def _width(plan: PlacementPlan) -> float:
     return sum(len(p.bundles) for p in plan.pools) + _POOL_GAP * (len(plan.pools) - 1)
 
 
-def _role_colors(plans: Any) -> dict[str, Any]:
+def _role_colors(plans: Iterable[PlacementPlan]) -> dict[str, Any]:
     """One colour per role name, by first appearance over `plans` (tab10, then tab20)."""
     from matplotlib import colormaps
 
