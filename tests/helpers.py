@@ -41,6 +41,9 @@ without an address joins RAY_ADDRESS's cluster, and AVRID_DEBUG turns avrid's on
 into tracebacks. Only these: other AVRID_* variables are inputs some tests read (the GPU
 tier's AVRID_QWEN_PATH, the GPU scheduler's AVRID_GPUSCHED_REPORT in its child runs)."""
 
+COLLECTIVE_TIMEOUT_S = 120
+"""How long `EchoWorker.die_in_collective`'s peers wait in their all-reduce: a hang's length."""
+
 
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess a test starts: this process's, without any RAY_* or
@@ -158,7 +161,7 @@ class EchoWorker(Worker):
         import torch
         import torch.distributed as dist
 
-        group = self.init_distributed(timeout_s=120)
+        group = self.init_distributed(timeout_s=COLLECTIVE_TIMEOUT_S)
         if self.identity.rank == victim:
             time.sleep(0.3)
             os._exit(9)
