@@ -182,7 +182,7 @@ class _Run:
         # With a reward model, `scoring.score_batch`'s two calls, each a phase of its own (a
         # trainer that scores otherwise, chapter 7's, takes no reward model).
         with local("reward"):
-            call = local.add(rule_scores(t.reward, batch))
+            call = local.add(rule_scores(t.reward, batch, t.reward_stream))
         return Outcome(lambda b: b, [call], local)  # combine_scores weighs it
 
     def reward_model(self, batch: Batch, local: Phases) -> Outcome:

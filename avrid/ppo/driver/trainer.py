@@ -33,10 +33,9 @@ from collections.abc import Callable
 import torch
 
 from avrid.dispatch import Batch, DispatchConfig
-from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.algo.registry import resolve_estimator, resolve_policy_loss
-from avrid.ppo.data.columns import Totals, action_mask, add_columns, padded, reads, with_responses
-from avrid.ppo.data.credit import compute_advantages, shaped_scores, shaping_metrics
+from avrid.ppo.data.columns import Totals, add_columns, reads, with_responses
+from avrid.ppo.data.credit import compute_advantages, shaped_scores
 from avrid.ppo.data.dynamic_sampling import FillStats, fill_groups, round_prompts, round_seed
 from avrid.ppo.data.prompts import (
     TRAIN,
@@ -46,9 +45,11 @@ from avrid.ppo.data.prompts import (
     prompt_batch,
     step_indices,
 )
+from avrid.ppo.driver import reward_stream
 from avrid.ppo.driver.concurrent import learn_concurrently
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
 from avrid.ppo.driver.scoring import Phase, score_batch
+from avrid.ppo.driver.step_metrics import step_metrics
 from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
@@ -69,8 +70,7 @@ class Trainer:
     """Builds the cluster for `config` and runs steps; use as a context manager."""
 
     policy_worker: type[PolicyWorker] = PolicyWorker
-    """The worker class of the "policy" role (chapter 6's trainer swaps in one without an
-    engine)."""
+    """The "policy" role's worker class (chapter 6's has no engine; `streaming_worker`)."""
 
     def __init__(self, config: PPOConfig) -> None:
         if config.pipeline.disaggregated and type(self) is Trainer:
@@ -80,6 +80,7 @@ class Trainer:
                              f"avrid.pipeline.PipelinedTrainer (chapter 6); this Trainer runs "
                              f"the synchronous loop (pipeline.mode='sync') only")
         self.config = config
+        self.policy_worker = reward_stream.streaming_worker(config, self.policy_worker)
         check_paths(config)
         if config.reward_model.enabled:  # a wrong checkpoint fails now, not in a worker
             check_checkpoint(config.reward_model.path)
@@ -109,12 +110,14 @@ class Trainer:
         self.timeline: Timeline | None = None
         self._driver_threads: int | None = None  # torch threads before start() (Ray only)
         self.fill_stats: FillStats | None = None  # the last step's dynamic sampling
+        self.reward_stream: reward_stream.RewardStream | None = None  # stream_rewards
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def placement(self) -> PlacementPlan:
         """Where each role runs (`placement.build_placement` with this run's response budget)."""
-        return build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
+        plan = build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
+        return reward_stream.with_policy_worker(plan, self.policy_worker)
 
     def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
               step: int = 0, pipeline_state: dict | None = None) -> None:
@@ -146,6 +149,7 @@ class Trainer:
         self.cluster = backend.launch(plan)
         self.policy = self.cluster.group("policy", self.policy_worker)
         self.reward = self.cluster.group("reward", RewardWorker)
+        self.reward_stream = reward_stream.for_groups(self.policy, self.reward)  # or None
         self.reward_model = (self.cluster.group("reward_model", RewardModelWorker)
                              if self.config.reward_model.enabled else None)
         self.critic = (self.cluster.group("critic", CriticWorker)
@@ -242,7 +246,9 @@ class Trainer:
     def generate_round(self, prompts: Batch, sampling: dict[str, int | bool]) -> Merged:
         """Generate responses to `prompts` now (a step's batch; dynamic sampling's extra
         rounds). Chapter 6's trainer first brings its rollout pool up to the trainer's
-        weights."""
+        weights; `rollout.stream_rewards` scores each response meanwhile (`reward_stream`)."""
+        if self.reward_stream is not None:
+            return self.reward_stream.generate(prompts, sampling)
         return run_shards(*self.generator(), prompts, None, **sampling)
 
     def generator(self) -> tuple[WorkerGroup, Callable[..., WorkerResult]]:
@@ -314,7 +320,7 @@ class Trainer:
         """`batch` scored (its "score" column: the rule reward, combined with the reward
         model's with `reward_model.path`), and the calls made, each timed by `phase`."""
         return score_batch(batch, config=self.config.reward_model, reward=self.reward,
-                           model=self.reward_model, phase=phase)
+                           model=self.reward_model, phase=phase, stream=self.reward_stream)
 
     def fill(self, step: int, batch: Batch) -> tuple[Batch, list[Merged], FillStats]:
         """Dynamic sampling (`data/dynamic_sampling.py`): the step's scored batch, its
@@ -353,27 +359,9 @@ class Trainer:
         return out
 
     def _metrics(self, batch: Batch, merged: list[Merged], phases: Phases) -> dict[str, float]:
-        sums: dict[str, list[float]] = {}
-        for m in merged:
-            for k, v in m.metric_values().items():
-                sums.setdefault(k, []).append(v)
-        # Means over mini-batches, except counts of skipped (non-finite) optimizer steps.
-        out = {k: sum(v) if k.endswith("/skipped_steps") else sum(v) / len(v)
-               for k, v in sums.items()}
-        mask = action_mask(batch).bool()  # observation tokens have no rollout_logp (chapter 7)
-        gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
-        out["train/reward"] = float(batch.scalars["score"].mean())
-        out.update(shaping_metrics(batch, self.config, self.max_response))
-        if self.config.algo.dynamic_sampling:
-            out.update(self.fill_stats.metrics())
-        out["rollout/logprob_gap"] = float(gap.mean()) if gap.numel() else 0.0
-        out["rollout/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-        if "ref_logp" in batch.packed:
-            kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), "k1")
-            out["actor/ref_kl"] = float(kl[mask].mean())
-        out.update(phases.times())
-        out["perf/tokens_per_s"] = float(batch.total_lens.sum()) / out["time/step"]
-        return out
+        """The step's metrics (`step_metrics.py`)."""
+        return step_metrics(batch, merged, phases, config=self.config,
+                            max_response=self.max_response, fill_stats=self.fill_stats)
 
     # ---- validation ------------------------------------------------------------------------
 
