@@ -86,14 +86,22 @@ class _Scoring:
 
     sample_ids: torch.Tensor
     """The generated batch's ids, in its order (what `take` must be asked for)."""
-    calls: list[ShardCall] = field(default_factory=list)
+    running: list[ShardCall] = field(default_factory=list)
+    merged: list[Merged] = field(default_factory=list)
+    """The calls that have answered, merged (in the order they were started)."""
 
-    def raise_first_failure(self) -> None:
-        """Raise the error of the first reward call that has failed (serially, the reward
-        phase's error), without waiting for those still running."""
-        for call in self.calls:
-            if call.done():
-                call.result()  # a finished call: returns at once, or raises its error
+    def collect(self) -> None:
+        """Merge the calls that have answered, in order (so a failed one raises its error,
+        the serial reward phase's, without waiting for those still running)."""
+        while self.running and self.running[0].done():
+            self.merged.append(self.running.pop(0).result())  # at once: it has answered
+
+    def results(self) -> list[Merged]:
+        """Every call merged, waiting for those still running (each at most the reward
+        group's call timeout)."""
+        while self.running:
+            self.merged.append(self.running.pop(0).result())
+        return self.merged
 
 
 class RewardStream:
@@ -115,14 +123,14 @@ class RewardStream:
         scoring = _Scoring(sample_ids=prompts.sample_ids)
         timeout = self.policy.call_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        ended = False
-        while not ended:
-            answers = self._ask(call, key)
+        generating = list(range(self.policy.world_size))  # the ranks not yet ended
+        while generating:
+            answers = self._ask(call, key, generating)
             for finished in answers:
                 if finished.sample_ids:
-                    scoring.calls.append(self._score(prompts, finished))
-            scoring.raise_first_failure()
-            ended = all(f.last for f in answers)
+                    scoring.running.append(self._score(prompts, finished))
+            scoring.collect()
+            generating = [r for r, f in zip(generating, answers, strict=True) if not f.last]
             if deadline is not None and time.monotonic() > deadline:
                 break  # a stuck rank: the generate call's own timeout reports it below
         self._pending = scoring
@@ -136,13 +144,14 @@ class RewardStream:
         if scoring is None or not torch.equal(scoring.sample_ids, batch.sample_ids):
             return None
         self._pending = None
-        return _put_together(self.reward, batch, [c.result() for c in scoring.calls])
+        return _put_together(self.reward, batch, scoring.results())
 
-    def _ask(self, call: ShardCall, key: int) -> list[Finished]:
-        """Every policy rank's newly finished responses of stream `key`."""
+    def _ask(self, call: ShardCall, key: int, ranks: list[int]) -> list[Finished]:
+        """The newly finished responses of stream `key` on each of `ranks` (those whose
+        generation has not ended: a rank that said `last` has forgotten the stream)."""
         try:
-            return self.policy.call(StreamingPolicyWorker.take_finished, key,
-                                    wait_s=POLL_WAIT_S)
+            return self.policy.call_ranks(ranks, StreamingPolicyWorker.take_finished, key,
+                                          wait_s=POLL_WAIT_S)
         except WorkerError:
             if call.done():  # the generate call failed first: its error is the one to see
                 call.result()
