@@ -125,6 +125,9 @@ def test_the_streaming_policy_rank_is_chosen_only_for_chapter_5s_own() -> None:
     assert streaming_worker(preset("tiny-grpo"), PolicyWorker) is PolicyWorker
     # chapter 7's environments score each episode as it ends: their worker stays theirs
     assert streaming_worker(on, AgentPolicyWorker) is AgentPolicyWorker
+    # a reward model alone (rule_weight=0): no rule reward, nothing to stream
+    rm_only = with_overrides(on, ["reward_model.path=/nowhere", "reward_model.rule_weight=0"])
+    assert streaming_worker(rm_only, PolicyWorker) is PolicyWorker
 
 
 def test_streamed_rewards_in_a_pipelined_mode_are_refused_naming_the_field() -> None:

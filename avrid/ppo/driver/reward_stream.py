@@ -51,16 +51,24 @@ from avrid.workers import PlacementPlan, WorkerError, WorkerGroup
 
 POLL_WAIT_S = 0.05
 """How long one question to a rank's stream lane waits for a response to finish before it
-answers with none; it answers at once when one finishes, so this only bounds the idle
-round trips (and how soon a rank that never answers is noticed)."""
+answers with none (this only bounds the idle round trips)."""
+GATHER_S = 0.02
+"""Once a response has finished, how long the rank gathers more before it answers (never
+past the end of its generation): one reward call per handful, not one per response. Each
+call costs a dispatch (~5-10 ms of CPU on Ray here) that a 2-core machine takes from
+generation; the last handful, scored after generation, is what finished in the last
+`GATHER_S` (measured: `benchmarks/bench_stream_rewards.py`)."""
 
 
 def streaming_worker(config: PPOConfig, worker: type[PolicyWorker]) -> type[PolicyWorker]:
     """The policy worker class a trainer starts: `StreamingPolicyWorker` where
-    ``rollout.stream_rewards`` asks for it and the trainer's own is chapter 5's
-    `PolicyWorker`, else `worker` (chapter 6's and 7's trainers bring their own: chapter 7's
-    environments score each episode as it ends already)."""
-    if config.rollout.stream_rewards and worker is PolicyWorker:
+    ``rollout.stream_rewards`` asks for it, the rule reward is computed (not with a reward
+    model at ``rule_weight=0``) and the trainer's own is chapter 5's `PolicyWorker`; else
+    `worker` (chapter 6's and 7's trainers bring their own: chapter 7's environments score
+    each episode as it ends already)."""
+    rm = config.reward_model
+    rule = not rm.enabled or rm.rule_weight != 0  # rule_weight=0: no rule reward to stream
+    if config.rollout.stream_rewards and rule and worker is PolicyWorker:
         return StreamingPolicyWorker
     return worker
 
@@ -133,8 +141,9 @@ class RewardStream:
             generating = [r for r, f in zip(generating, answers, strict=True) if not f.last]
             if deadline is not None and time.monotonic() > deadline:
                 break  # a stuck rank: the generate call's own timeout reports it below
-        self._pending = scoring
-        return call.result()
+        generated = call.result()
+        self._pending = scoring  # for the `score` of this very batch, which comes next
+        return generated
 
     def take(self, batch: Batch) -> Merged | None:
         """The rule reward call of `batch` (`scoring.rule_scores`' result, bit for bit), if
@@ -151,7 +160,7 @@ class RewardStream:
         generation has not ended: a rank that said `last` has forgotten the stream)."""
         try:
             return self.policy.call_ranks(ranks, StreamingPolicyWorker.take_finished, key,
-                                          wait_s=POLL_WAIT_S)
+                                          wait_s=POLL_WAIT_S, gather_s=GATHER_S)
         except WorkerError:
             if call.done():  # the generate call failed first: its error is the one to see
                 call.result()

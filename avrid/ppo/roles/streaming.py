@@ -75,12 +75,15 @@ class FinishedResponses:
             self._streams.setdefault(key, _Stream()).ended = True
             self._changed.notify_all()
 
-    def take(self, key: int, wait_s: float) -> Finished:
-        """What stream `key` finished since the last take: at once if there is something or
-        the call has ended, else as soon as something comes, at most after `wait_s`."""
+    def take(self, key: int, wait_s: float, gather_s: float = 0.0) -> Finished:
+        """What stream `key` finished since the last take: as soon as something is there
+        (at most after `wait_s`), and then up to `gather_s` more of what finishes meanwhile
+        (one reward call for a handful, not one each); at once when the call has ended."""
         with self._changed:
             stream = self._streams.setdefault(key, _Stream())
             self._changed.wait_for(lambda: stream.sample_ids or stream.ended, timeout=wait_s)
+            if stream.sample_ids and gather_s > 0:
+                self._changed.wait_for(lambda: stream.ended, timeout=gather_s)
             out = Finished(sample_ids=tuple(stream.sample_ids),
                            responses=tuple(stream.responses), last=stream.ended)
             stream.sample_ids, stream.responses = [], []
@@ -112,7 +115,7 @@ class StreamingPolicyWorker(PolicyWorker):
         finally:  # raised or returned, the driver's questions must end
             self.finished.end(stream)
 
-    def take_finished(self, stream: int, *, wait_s: float) -> Finished:
+    def take_finished(self, stream: int, *, wait_s: float, gather_s: float = 0.0) -> Finished:
         """The responses `generate_streamed(stream)` finished since the last call (on the
-        "stream" lane, beside it): at once if any, else within `wait_s`."""
-        return self.finished.take(stream, wait_s)
+        "stream" lane, beside it): `FinishedResponses.take`'s timing."""
+        return self.finished.take(stream, wait_s, gather_s)
