@@ -33,9 +33,10 @@ from collections.abc import Callable
 import torch
 
 from avrid.dispatch import Batch, DispatchConfig
+from avrid.ppo.algo.losses import kl_estimate
 from avrid.ppo.algo.registry import resolve_estimator, resolve_policy_loss
-from avrid.ppo.data.columns import Totals, add_columns, reads, with_responses
-from avrid.ppo.data.credit import compute_advantages, shaped_scores
+from avrid.ppo.data.columns import Totals, action_mask, add_columns, padded, reads, with_responses
+from avrid.ppo.data.credit import compute_advantages, shaped_scores, shaping_metrics
 from avrid.ppo.data.dynamic_sampling import FillStats, fill_groups, round_prompts, round_seed
 from avrid.ppo.data.prompts import (
     TRAIN,
@@ -44,12 +45,12 @@ from avrid.ppo.data.prompts import (
     mini_batches,
     prompt_batch,
     step_indices,
+    step_seed,
 )
 from avrid.ppo.driver import reward_stream
 from avrid.ppo.driver.concurrent import learn_concurrently
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
 from avrid.ppo.driver.scoring import Phase, score_batch
-from avrid.ppo.driver.step_metrics import step_metrics
 from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
@@ -110,7 +111,6 @@ class Trainer:
         self.timeline: Timeline | None = None
         self._driver_threads: int | None = None  # torch threads before start() (Ray only)
         self.fill_stats: FillStats | None = None  # the last step's dynamic sampling
-        self.reward_stream: reward_stream.RewardStream | None = None  # stream_rewards
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -359,9 +359,27 @@ class Trainer:
         return out
 
     def _metrics(self, batch: Batch, merged: list[Merged], phases: Phases) -> dict[str, float]:
-        """The step's metrics (`step_metrics.py`)."""
-        return step_metrics(batch, merged, phases, config=self.config,
-                            max_response=self.max_response, fill_stats=self.fill_stats)
+        sums: dict[str, list[float]] = {}
+        for m in merged:
+            for k, v in m.metric_values().items():
+                sums.setdefault(k, []).append(v)
+        # Means over mini-batches, except counts of skipped (non-finite) optimizer steps.
+        out = {k: sum(v) if k.endswith("/skipped_steps") else sum(v) / len(v)
+               for k, v in sums.items()}
+        mask = action_mask(batch).bool()  # observation tokens have no rollout_logp (chapter 7)
+        gap = (padded(batch, "old_logp") - padded(batch, "rollout_logp")).abs()[mask]
+        out["train/reward"] = float(batch.scalars["score"].mean())
+        out.update(shaping_metrics(batch, self.config, self.max_response))
+        if self.config.algo.dynamic_sampling:
+            out.update(self.fill_stats.metrics())
+        out["rollout/logprob_gap"] = float(gap.mean()) if gap.numel() else 0.0
+        out["rollout/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        if "ref_logp" in batch.packed:
+            kl = kl_estimate(padded(batch, "old_logp"), padded(batch, "ref_logp"), "k1")
+            out["actor/ref_kl"] = float(kl[mask].mean())
+        out.update(phases.times())
+        out["perf/tokens_per_s"] = float(batch.total_lens.sum()) / out["time/step"]
+        return out
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -379,9 +397,3 @@ class Trainer:
         if "model_score" in batch.scalars:
             out["val/model_score"] = float(batch.scalars["model_score"].mean())
         return out
-
-
-def step_seed(config: PPOConfig, step: int) -> int:
-    """The sampling seed of `step` (-1: validation), from (train.seed, step) alone; each rank
-    adds its rank, and the step's mini-batch shuffle uses this + 1."""
-    return config.train.seed * 1_000_003 + (step + 1) * 7919
