@@ -21,7 +21,6 @@ Read in this order:
 10. step_graph_figure.py  that graph drawn, left to right, one lane per worker group
 11. concurrent.py  with `train.concurrent_phases`: `learn`'s phases issued by that graph,
                    each once its inputs are ready, the results put back in the serial order
-12. step_metrics.py  a step's metrics from its calls and its scored batch (`Trainer._metrics`)
-13. reward_stream.py  with `rollout.stream_rewards`: each response sent to the reward worker
+12. reward_stream.py  with `rollout.stream_rewards`: each response sent to the reward worker
                       as the engine finishes it; the scores put together as the serial call's
 """
