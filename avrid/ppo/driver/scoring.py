@@ -15,7 +15,7 @@ and combines them (`combined`; `reward_model.py` in setup explains the weights):
 Without a reward model the score is the rule reward itself, untouched (same-seed metrics do
 not move); with ``rule_weight=0`` the rule reward is not computed at all. This file knows
 nothing of steps, advantages or validation: it scores a batch and returns the calls made
-(its three parts are public so that the concurrent controller, `concurrent.py`, can run the
+(its parts are public so that the concurrent controller, `concurrent.py`, can run the
 two calls side by side).
 """
 
@@ -51,7 +51,7 @@ def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
     rule = None
     if not config.enabled or config.rule_weight != 0:
         with phase("reward"):
-            calls.append(rule_scores(reward, batch, stream))
+            calls.append(rule_reward(reward, batch, stream))
         rule = calls[-1].batch.scalars["score"]
         if not config.enabled:  # the rule reward alone, as it is
             return add_columns(batch, scalars={"score": rule}), calls
@@ -63,14 +63,16 @@ def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
     return add_columns(batch, scalars=combined(config, rule, model_score)), calls
 
 
-def rule_scores(reward: WorkerGroup, batch: Batch,
-                stream: RewardStream | None = None) -> Merged:
-    """The rule reward worker's call on `batch`: its "score" scalar is the rule score. With
-    `stream`, the calls it started as `batch` was generated, if it did (`reward_stream.py`:
-    the same merged result, bit for bit), instead of a new one."""
+def rule_reward(reward: WorkerGroup, batch: Batch, stream: RewardStream | None) -> Merged:
+    """The rule reward of `batch`: the calls `stream` started as `batch` was generated, if
+    it did (`reward_stream.py`: the very result `rule_scores` gives, bit for bit), else
+    `rule_scores` now."""
     streamed = None if stream is None else stream.take(batch)
-    if streamed is not None:
-        return streamed
+    return streamed if streamed is not None else rule_scores(reward, batch)
+
+
+def rule_scores(reward: WorkerGroup, batch: Batch) -> Merged:
+    """The rule reward worker's call on `batch`: its "score" scalar is the rule score."""
     return run_shards(reward, RewardWorker.score, batch.only(*SCORE_READS))
 
 
