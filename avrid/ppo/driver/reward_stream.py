@@ -15,7 +15,9 @@ driver can send each one to the reward worker as soon as it ends:
 
 Bit for bit the serial scores and metrics: each response is scored from the same token ids
 by the same function (a sample's reward never depends on when or beside which others it
-was scored), the "score" column is put back in the batch's order, and the metrics are
+was scored; a batched reward function gets the handfuls instead of the whole batch, so
+one that looks across its batch, normalising say, would not be per-sample and cannot be
+streamed), the "score" column is put back in the batch's order, and the metrics are
 reduced on the driver over the serial call's own shards (`cached_plan`), in its order,
 with the worker's own code (`reward.add_scores`), so a float sum adds the same numbers in
 the same order. On the timeline the reward worker's spans sit under the "generate" phase;
@@ -24,7 +26,8 @@ the "reward" phase holds only the tail: the scoring of the last responses and th
 Failures stay the serial run's one-line errors: a reward call that raises is reported as
 soon as its result is in (during generation too), a hung one by the group's call timeout
 (`train.call_timeout_s`) when the driver waits for it; a generate call that fails is
-reported as itself, even when a question on its stream lane noticed first.
+reported as itself, even when a question on its stream lane noticed first, and one that
+hangs by its own timeout (after at most twice `call_timeout_s`: the questions run first).
 
 Not here: the policy rank's side (`roles/streaming.py`), what the scores are
 (`roles/reward.py`), and the reward model, which scores the whole batch after generation
