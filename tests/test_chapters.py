@@ -29,9 +29,6 @@ DEMOS = [pytest.param(pkg, marks=pytest.mark.chapter(int(pkg[2:4])), id=pkg)
          for pkg, _ in CHAPTERS]
 BOOKS = [pytest.param(p, marks=pytest.mark.chapter(int(p.stem[:2])), id=p.stem)
          for p in NOTEBOOKS]
-TEXT_ONLY = {"01_workers"}
-"""Notebooks that draw nothing (chapter 1's story is identities, meshes and placement, told
-in printed tables); every other notebook must be saved with its figures."""
 
 
 @pytest.mark.slow
@@ -77,9 +74,9 @@ def test_notebook_is_committed_with_its_outputs_and_figures(path: Path) -> None:
     # `python -m tests.test_chapters` after changing a notebook or what it calls.
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert all(c.get("execution_count") for c in cells), f"{path.name}: cells never executed"
+    # Every chapter draws (chapter 1: its placement layouts), so every notebook has a figure.
     images = [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    if path.stem not in TEXT_ONLY:
-        assert images, f"{path.name}: no figure saved in the notebook"
+    assert images, f"{path.name}: no figure saved in the notebook"
 
 
 def execute(path: Path):  # noqa: ANN201 - nbformat.NotebookNode

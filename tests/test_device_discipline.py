@@ -4,8 +4,9 @@ A shard arrives on the CPU (that is what travels between processes) while a work
 may sit on a GPU. No GPU runs this suite, so the model goes to the fake device of
 `tests/fake_device.py`, which computes on the CPU but refuses, as CUDA would, any op that
 mixes its tensors with CPU ones. The test runs the real workers — reference and actor
-log-probs, the critic's values, the actor and critic updates, the weight sync with its
-checksums — once on the CPU and once with the model on the fake device, and asserts:
+log-probs (the reference also as a pool's `ReferenceWorker`), the critic's values, the
+actor and critic updates, the weight sync with its checksums — once on the CPU and once
+with the model on the fake device, and asserts:
 
 - no op mixed devices (it would have raised `DeviceMixError`);
 - every result equals the all-CPU run's, and so do the trained weights and the weights the
@@ -29,6 +30,7 @@ from avrid.dispatch import Batch, Packed, Shard
 from avrid.ppo.data.columns import Totals
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.roles.reference import ReferenceWorker
 from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.results import ResultBuilder, WorkerResult
@@ -108,9 +110,12 @@ def run_every_role(device: torch.device | None, attention: str,
                           max_response_tokens=NORM_LEN)
     critic = CriticWorker(WorkerIdentity(role="critic", rank=0, world_size=1), config=cfg,
                           vocab_size=VOCAB, pad_id=PAD)
+    reference = ReferenceWorker(WorkerIdentity(role="reference", rank=0, world_size=1),
+                                config=cfg, vocab_size=VOCAB, eos_id=EOS, pad_id=PAD)
     policy.setup()  # ends with the engine's first, checked weight sync
     critic.setup()
-    for model in (policy.model, policy.reference, policy.engine.model, critic.model):
+    for model in (policy.model, policy.reference, policy.engine.model, critic.model,
+                  reference.model):
         assert next(model.parameters()).device == (device or torch.device("cpu"))
     out: Run = {}
 
@@ -123,6 +128,7 @@ def run_every_role(device: torch.device | None, attention: str,
     tokens = shard_of(make_batch().only("tokens"))
     call("old_logp", policy.compute_logprobs, tokens)
     call("ref_logp", policy.compute_logprobs, tokens, reference=True)
+    call("pool_ref_logp", reference.compute_logprobs, tokens)  # placement.reference=pool
     call("values", critic.compute_values, tokens)
     batch = inputs if inputs is not None else with_columns(
         make_batch(), out["old_logp"], out["ref_logp"], out["values"])
@@ -169,7 +175,8 @@ def result_tensors(result: WorkerResult) -> Iterator[tuple[str, torch.Tensor]]:
     yield from ((f"scalar {n}", t) for n, t in b.scalars.items())
 
 
-RESULTS = ("old_logp", "ref_logp", "values", "actor_update", "critic_update", "sync")
+RESULTS = ("old_logp", "ref_logp", "pool_ref_logp", "values", "actor_update", "critic_update",
+           "sync")
 
 
 @pytest.mark.parametrize("name", RESULTS)
@@ -199,7 +206,7 @@ def test_every_role_path_computes_on_the_models_device_and_returns_cpu_tensors(
         # old - new log-probs, exactly 0 on one device and rounding on the other)
         assert abs(total - wanted[metric][0]) <= tol * max(1.0, abs(wanted[metric][0])), (
             name, metric, total, wanted[metric][0])
-    assert metrics or name == "ref_logp", f"{name} recorded no metric"  # ref: none to record
+    assert metrics or name.endswith("ref_logp"), f"{name} recorded no metric"  # ref: none
 
 
 @pytest.mark.parametrize("name", ["actor_weights", "critic_weights", "engine_weights"])
@@ -216,6 +223,13 @@ def test_the_updates_and_the_sync_leave_the_weights_of_the_cpu_run(
         diff = torch.cat([(t - want[n]).flatten() for n, t in got.items()]).norm()
         scale = torch.cat([t.flatten() for t in want.values()]).norm()
         assert float(diff / scale) < tol, (name, float(diff / scale))
+
+
+def test_a_reference_pool_computes_the_policys_reference_log_probs(
+        runs: tuple[Run, Run, float]) -> None:
+    for run in runs[:2]:  # on the CPU and on the fake device alike: bit for bit
+        pool, policy = run["pool_ref_logp"].outputs, run["ref_logp"].outputs
+        assert torch.equal(pool.packed["ref_logp"].values, policy.packed["ref_logp"].values)
 
 
 def test_the_fake_device_refuses_a_mix_and_gives_plain_cpu_tensors_back() -> None:

@@ -29,9 +29,10 @@ STEP_FILES = [
 """The files of avrid/ppo a learner opens to follow one step from `train_step`, in the
 order chapters/ch05_ppo/README.md gives them."""
 
-OPTIONAL_STEP_FILES = ["driver/concurrent.py"]
+OPTIONAL_STEP_FILES = ["driver/reference.py", "driver/concurrent.py"]
 """Files a step reaches only under an option, which the README names after `STEP_FILES`:
-`train.concurrent_phases` runs the same phases by the step graph."""
+a KL term sends "ref_logp" where `placement.reference` says; `train.concurrent_phases` runs
+the same phases by the step graph."""
 
 STEP_FUNCTIONS = ("train_step", "generator", "step_prompts", "sampling", "updates_actor",
                   "learn", "score", "fill", "generate_round", "train_on", "_metrics",

@@ -95,6 +95,15 @@ GRPO_DYNAMIC = {
     "weight_sync": {"actor_update": "policy order"},
 }
 
+# The reference on a pool of its own (placement.reference=pool): ref_logp waits for the
+# tokens alone, no longer for old_logp by the policy's order, so the two run at once.
+PPO_KL_IN_LOSS_REFERENCE_POOL = {
+    **PPO,
+    "ref_logp": {"generate": "tokens"},
+    "actor_update": {"generate": "tokens", "old_logp": "old_logp; policy order",
+                     "ref_logp": "ref_logp", "advantages": "loss_mask, advantages"},
+}
+
 PPO_REWARD_MODEL = {
     **PPO,
     "reward_model": {"generate": "tokens, split, prompt_index"},
@@ -116,6 +125,13 @@ CASES = {
     "ppo, lora, kl in the loss": (config("tiny-ppo-lora", "algo.kl_coef=0.05"),
                                   PPO_KL_IN_LOSS),
     "ppo, reward model": (config("tiny-ppo", "reward_model.path=rm"), PPO_REWARD_MODEL),
+    "ppo, kl in the loss, reference pool": (config("tiny-ppo", "algo.kl_coef=0.05",
+                                                   "placement.reference=pool"),
+                                            PPO_KL_IN_LOSS_REFERENCE_POOL),
+    # LoRA with a reference pool: the pool holds the base weights, the same graph.
+    "ppo, lora, kl in the loss, reference pool": (
+        config("tiny-ppo-lora", "algo.kl_coef=0.05", "placement.reference=pool"),
+        PPO_KL_IN_LOSS_REFERENCE_POOL),
 }
 
 
@@ -140,6 +156,9 @@ def test_with_lora_the_reference_is_the_adapters_off_actor_on_the_policy_group()
     assert graph.phase("actor_update").model == "actor's LoRA adapters"
     plain = step_graph(config("tiny-ppo", "algo.kl_coef=0.05")).phase("ref_logp")
     assert (plain.group, plain.model) == ("policy", "reference")
+    pooled = step_graph(config("tiny-ppo-lora", "algo.kl_coef=0.05",
+                               "placement.reference=pool")).phase("ref_logp")
+    assert (pooled.group, pooled.model) == ("reference", "reference, base weights")
 
 
 def test_a_reward_model_alone_skips_the_rule_reward() -> None:
@@ -180,6 +199,10 @@ def test_issuing_the_ready_phases_in_waves_runs_each_once_and_no_group_twice(cas
     if case == "ppo, kl in the loss":  # the waves a person reads off the drawing
         assert waves == [("generate",), ("reward", "old_logp", "values"),
                          ("ref_logp", "advantages"), ("critic_update", "actor_update"),
+                         ("weight_sync",)]
+    if case == "ppo, kl in the loss, reference pool":  # ref_logp beside old_logp
+        assert waves == [("generate",), ("reward", "old_logp", "ref_logp", "values"),
+                         ("advantages",), ("critic_update", "actor_update"),
                          ("weight_sync",)]
 
 
@@ -300,6 +323,9 @@ TRAINED = {
     "ppo, lora, critic warm-up": ("tiny-ppo-lora", "algo.kl_coef=0.05",
                                   "train.critic_warmup_steps=1"),
     "ppo, reward model": ("tiny-ppo",),
+    "ppo, reference pool, concurrent": ("tiny-ppo", "algo.kl_coef=0.05",
+                                        "placement.reference=pool",
+                                        "train.concurrent_phases=true"),
 }
 
 

@@ -1,9 +1,9 @@
 """Chapter 1 — the worker layer: identity, mesh, placement, worker groups and two backends.
 
-Read in this order: identity.py, mesh.py, placement.py, worker.py, group.py, cluster.py,
-outcome.py, inprocess.py, ray_backend.py, tensor_wire.py, call_wire.py (errors.py as you meet
-them). The Ray backend is imported lazily (``RayBackend``, ``start_ray``) so the pure parts and
-the in-process backend work without importing Ray.
+Read in this order: identity.py, mesh.py, placement.py (placement_figure.py draws a plan),
+worker.py, group.py, cluster.py, outcome.py, inprocess.py, ray_backend.py, tensor_wire.py,
+call_wire.py (errors.py as you meet them). The Ray backend is imported lazily (``RayBackend``,
+``start_ray``) so the pure parts and the in-process backend work without importing Ray.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -36,9 +36,9 @@ from avrid.results import (
     Merged,
     Timeline,
     WorkerResult,
-    atomic_write,
     merge,
     run_shards,
+    stacked_gantt,
 )
 from avrid.workers import (
     Mesh,
@@ -237,30 +237,6 @@ def run_timed(group: WorkerGroup, batch: Batch, method: str) -> tuple[Merged, Ti
     return merged, Timeline.from_results(merged.results, merged.driver_spans)
 
 
-def save_gantt_pair(timelines: dict[str, Timeline], titles: dict[str, str],
-                    path: Path) -> Path:
-    """Both Gantt charts, one above the other on one time scale, in one PNG (written
-    atomically). Their colours match: each span name has one colour in every chart."""
-    import io
-
-    import matplotlib.image as mpimg
-
-    widest = max(tl.end - tl.start for tl in timelines.values())
-    images = []
-    for name, tl in timelines.items():
-        fig = tl.gantt_figure(title=titles[name])
-        fig.axes[0].set_xlim(0.0, widest)  # one scale, so the longer step looks longer
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        buf.seek(0)
-        images.append(mpimg.imread(buf, format="png"))
-    width = max(im.shape[1] for im in images)
-    padded = [np.pad(im, ((0, 0), (0, width - im.shape[1]), (0, 0)), constant_values=1.0)
-              for im in images]
-    both = np.concatenate(padded, axis=0)
-    return atomic_write(path, lambda f: mpimg.imsave(f, both, format="png"))
-
-
 def timelines(group: WorkerGroup) -> bool:
     """Section 4: an imbalanced and a balanced dispatch of one long-tailed batch."""
     batch = rollout_batch(num_prompts=16, group_size=8)
@@ -284,7 +260,8 @@ def timelines(group: WorkerGroup) -> bool:
             print("    " + line)
         trace = tl.to_chrome_trace(OUT_DIR / f"trace_{method}.json")
         print(f"    trace: {shown(trace)}")
-    png = save_gantt_pair(tls, titles, OUT_DIR / "gantt_contiguous_vs_kk.png")
+    png = stacked_gantt({titles[m]: tl for m, tl in tls.items()},
+                        OUT_DIR / "gantt_contiguous_vs_kk.png")
     print(f"\n  Gantt charts (contiguous above, kk below, one time scale): {shown(png)}")
     print("  open a trace in https://ui.perfetto.dev (or chrome://tracing): one row per "
           "worker, one per driver step")

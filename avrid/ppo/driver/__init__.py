@@ -21,6 +21,8 @@ Read in this order:
 10. step_graph_figure.py  that graph drawn, left to right, one lane per worker group
 11. concurrent.py  with `train.concurrent_phases`: `learn`'s phases issued by that graph,
                    each once its inputs are ready, the results put back in the serial order
-12. reward_stream.py  with `rollout.stream_rewards`: each response sent to the reward worker
+12. reference.py  where "ref_logp" is computed: the policy's ranks, or a reference pool's
+                  (`placement.reference`), for the serial and the concurrent step alike
+13. reward_stream.py  with `rollout.stream_rewards`: each response sent to the reward worker
                       as the engine finishes it; the scores put together as the serial call's
 """

@@ -9,7 +9,8 @@ serial call (`run_shards`, with its timeout and its fail-fast errors) — waits 
 them to finish, and issues what that made ready. PPO with the critic on its own pool:
 
     reward | old_logp | values        (three groups at once; each reads only the tokens)
-    ref_logp                          (policy order: after old_logp)
+    ref_logp                          (policy order: after old_logp; with
+                                       placement.reference=pool, in the first wave)
     advantages                        (the driver's own, like resample and combine_scores:
                                        run in this thread while the workers' phases go on)
     critic_update | actor_update      (two groups at once)
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 from avrid.dispatch import Batch
 from avrid.ppo.data.columns import add_columns, reads
 from avrid.ppo.data.credit import compute_advantages
+from avrid.ppo.driver.reference import reference_logprobs
 from avrid.ppo.driver.scoring import combined, model_scores, rule_reward
 from avrid.ppo.driver.step_graph import DRIVER, StepGraph, StepPhase, learn_graph
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
@@ -206,20 +208,19 @@ class _Run:
         self.trainer.fill_stats = fill
         return Outcome(lambda b: refilled, [local.add(m) for m in more], local)
 
-    def _logprobs(self, batch: Batch, local: Phases, column: str, **kw: bool) -> Outcome:
-        t = self.trainer
-        with local(column):
-            call = local.add(run_shards(t.policy, PolicyWorker.compute_logprobs,
-                                        reads(batch, LOGPROBS_READS), t.dispatch, **kw))
-        values = call.batch.packed[column]
-        return Outcome(lambda b: add_columns(b, packed={column: values}),
-                       [call] if column == "old_logp" else [], local)
-
     def old_logp(self, batch: Batch, local: Phases) -> Outcome:
-        return self._logprobs(batch, local, "old_logp")
+        t = self.trainer
+        with local("old_logp"):
+            call = local.add(run_shards(t.policy, PolicyWorker.compute_logprobs,
+                                        reads(batch, LOGPROBS_READS), t.dispatch))
+        values = call.batch.packed["old_logp"]
+        return Outcome(lambda b: add_columns(b, packed={"old_logp": values}), [call], local)
 
     def ref_logp(self, batch: Batch, local: Phases) -> Outcome:
-        return self._logprobs(batch, local, "ref_logp", reference=True)
+        with local("ref_logp"):  # on the policy's ranks or the reference pool's
+            call = local.add(reference_logprobs(self.trainer, reads(batch, LOGPROBS_READS)))
+        values = call.batch.packed["ref_logp"]
+        return Outcome(lambda b: add_columns(b, packed={"ref_logp": values}), [], local)
 
     def values(self, batch: Batch, local: Phases) -> Outcome:
         t = self.trainer

@@ -3,8 +3,13 @@
 Roles and their workers:
 
     policy   PolicyWorker   actor + reference + rollout (the hybrid engine), actor_dp ranks
+    reference ReferenceWorker with placement.reference="pool" only: reference_dp bundles of
+                             its own (the policy then holds no reference)
     critic   CriticWorker   PPO only, critic_dp ranks
-    reward        RewardWorker       one rank: verifiable rewards are cheap
+    reward        RewardWorker       one rank: verifiable rewards are cheap; where
+                                     placement.reward says: "policy" a 0.1-CPU share of the
+                                     first policy bundle, "critic" the same share of the
+                                     first critic bundle, "pool" one bundle of its own
     reward_model  RewardModelWorker  with reward_model.path only; where reward_model.placement
                                      says: "critic" (NeMo-Aligner) one rank per critic bundle,
                                      "pool" (OpenRLHF) reward_model.dp bundles of its own,
@@ -12,9 +17,12 @@ Roles and their workers:
 
 The pool "policy" has one bundle per policy rank (CPUs, and one GPU each on CUDA). The critic
 shares those bundles (colocated, each worker taking a share) or, with
-``placement.colocate_critic=False``, gets a pool of its own. The reward worker sits in the
-first policy bundle with a small CPU share, since it runs while the policy waits. Roles that
-share a bundle split its CPUs and GPU equally (`_shares`).
+``placement.colocate_critic=False``, gets a pool of its own. The reward worker sits by
+default in the first policy bundle with a small CPU share, since it runs while the policy
+waits (serially; `train.concurrent_phases` runs it beside the policy's log-probs, hence
+`placement.reward`). Roles that share a bundle split its CPUs and GPU equally (`_shares`),
+less the reward's share where it sits. The seed's three layouts, as configs:
+`chapters/ch05_ppo/configs/layout_*.yaml`.
 ``placement.strategy`` lays the bundles over a cluster's nodes (STRICT_SPREAD: one node each).
 This file only describes placement (chapter 1's `RoleSpec`s); the backend starts it.
 `critic_after_engine` says whether a colocated critic sets up after the policy's engine.
@@ -27,6 +35,7 @@ from pathlib import Path
 
 from avrid.ppo.roles.critic import CriticWorker
 from avrid.ppo.roles.policy import PolicyWorker
+from avrid.ppo.roles.reference import ReferenceWorker
 from avrid.ppo.roles.reward import RewardWorker
 from avrid.ppo.roles.reward_model import RewardModelWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -56,8 +65,11 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
                                        strategy=p.strategy)
     pools = [policy_pool]
     tok = tokenizer_kwargs(tokenizer)
-    # Colocated roles split each bundle (CPUs and GPU); the policy leaves room for the reward.
-    cpus = p.cpus_per_worker / share - REWARD_CPU_SHARE
+    # Colocated roles split each bundle (CPUs and GPU); the role whose first bundle holds
+    # the reward leaves room for it (on a pool of its own it takes a whole bundle).
+    reward_pool, reward_cpus = _reward_place(config)
+    room = REWARD_CPU_SHARE if p.reward != "pool" else 0.0
+    cpus = p.cpus_per_worker / share - (room if p.reward == "policy" else 0.0)
     roles = [RoleSpec(role="policy", worker=PolicyWorker, mesh=Mesh.of(dp=p.actor_dp),
                       pool="policy", cpus=cpus,
                       gpus=gpus / share,
@@ -71,11 +83,24 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
                                               gpus=gpus, strategy=p.strategy))
             critic_pool = "critic"
         roles.append(RoleSpec(role="critic", worker=CriticWorker, mesh=Mesh.of(dp=p.critic_dp),
-                              pool=critic_pool, cpus=p.cpus_per_worker / critic_share,
+                              pool=critic_pool,
+                              cpus=p.cpus_per_worker / critic_share
+                              - (room if p.reward == "critic" else 0.0),
                               gpus=gpus / critic_share,
                               init_kwargs={"config": config, **tok}))
+    if p.reference == "pool":  # a whole frozen copy per rank, nothing else on its bundles
+        pools.append(ResourcePool.uniform("reference", p.reference_dp, cpus=p.cpus_per_worker,
+                                          gpus=gpus, strategy=p.strategy))
+        roles.append(RoleSpec(role="reference", worker=ReferenceWorker,
+                              mesh=Mesh.of(dp=p.reference_dp), pool="reference",
+                              cpus=p.cpus_per_worker, gpus=gpus,
+                              init_kwargs={"config": config,
+                                           "eos_id": tokenizer.eos_token_id, **tok}))
+    if reward_pool == "reward":
+        pools.append(ResourcePool.uniform("reward", 1, cpus=reward_cpus, gpus=0.0,
+                                          strategy=p.strategy))
     reward = RoleSpec(role="reward", worker=RewardWorker, mesh=Mesh.of(dp=1),
-                      pool="policy", cpus=REWARD_CPU_SHARE,
+                      pool=reward_pool, cpus=reward_cpus,
                       init_kwargs={"task_name": config.task.name,
                                    "task_options": config.task.kwargs,
                                    "task_path": config.task.path, "tokenizer": tokenizer,
@@ -100,6 +125,17 @@ def placement_parts(config: PPOConfig, tokenizer: Tokenizer, *,
                                mesh=Mesh.of(dp=n), pool=where, cpus=p.cpus_per_worker / rm_share,
                                gpus=gpus / rm_share, init_kwargs=kwargs))
     return pools, roles
+
+
+def _reward_place(config: PPOConfig) -> tuple[str, float]:
+    """The pool of the rule reward's one rank (its rank 0 lands in the pool's first bundle)
+    and the CPUs it reserves there (`placement.reward`)."""
+    p = config.placement
+    if p.reward == "pool":
+        return "reward", p.cpus_per_worker
+    if p.reward == "critic" and not p.colocate_critic:
+        return "critic", REWARD_CPU_SHARE
+    return "policy", REWARD_CPU_SHARE  # "policy", or "critic" on the policy's bundles
 
 
 def _shares(config: PPOConfig) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from avrid.ppo.roles.policy import (
     PolicyWorker,
     actor_update_reads,
 )
+from avrid.ppo.roles.reference import ReferenceWorker
 from avrid.ppo.roles.reward import SCORE_READS, SCORE_WRITES, RewardWorker
 from avrid.ppo.roles.reward_model import MODEL_SCORE_WRITES, RewardModelWorker
 from avrid.ppo.setup.config import PPOConfig
@@ -48,7 +49,7 @@ from avrid.workers.worker import check_lanes
 DRIVER = "driver"
 """The group of the phases the driver computes itself (no worker, no order rule)."""
 
-GROUPS = ("policy", "critic", "reward", "reward_model", DRIVER)
+GROUPS = ("policy", "reference", "critic", "reward", "reward_model", DRIVER)
 """Every group a phase may run on, in the order they are listed and drawn."""
 
 
@@ -260,7 +261,11 @@ def _phases(config: PPOConfig, updates_actor: bool) -> tuple[StepPhase, ...]:
                                                for g in p.groups if g != DRIVER))))
     out.append(StepPhase("old_logp", "policy", LOGPROBS_READS, LOGPROBS_WRITES, "actor",
                          _lane(PolicyWorker, "compute_logprobs")))
-    if a.kl_coef > 0:  # with LoRA the reference is the actor with its adapters off
+    if a.kl_coef > 0 and config.placement.reference == "pool":  # ranks of its own
+        out.append(StepPhase("ref_logp", "reference", LOGPROBS_READS, REF_LOGPROBS_WRITES,
+                             "reference, base weights" if config.lora.enabled else "reference",
+                             _lane(ReferenceWorker, "compute_logprobs")))
+    elif a.kl_coef > 0:  # with LoRA the reference is the actor with its adapters off
         out.append(StepPhase("ref_logp", "policy", LOGPROBS_READS, REF_LOGPROBS_WRITES,
                              "actor, adapters off" if config.lora.enabled else "reference",
                              _lane(PolicyWorker, "compute_logprobs")))

@@ -9,7 +9,8 @@ sequence of named, timed phases, each one dispatch (chapter 2) and one canonical
     (reward_model) with reward_model.path: its ranks score them too (`scoring.py`)
     (resample)     with algo.dynamic_sampling only: all-alike groups dropped, more generated
     old_logp       policy ranks recompute log-probs with the trainer's forward pass
-    ref_logp       ... and under the frozen reference (only with a KL term)
+    ref_logp       ... and under the frozen reference (only with a KL term; its ranks:
+                   the policy's, or a pool of its own, `reference.py`)
     values         critic ranks: V(s_t) per response token (PPO only)
     advantages     on the driver: GAE (PPO) or group-normalised scores (GRPO)
     critic_update  mini-batches of the clipped value loss (PPO only)
@@ -50,6 +51,7 @@ from avrid.ppo.data.prompts import (
 from avrid.ppo.driver import reward_stream
 from avrid.ppo.driver.concurrent import learn_concurrently
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
+from avrid.ppo.driver.reference import reference_logprobs
 from avrid.ppo.driver.scoring import Phase, score_batch
 from avrid.ppo.driver.stopping import keep_own_sigterm
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
@@ -294,9 +296,7 @@ class Trainer:
             batch = add_columns(batch, packed={"old_logp": old.batch.packed["old_logp"]})
         if a.kl_coef > 0:
             with phases("ref_logp"):
-                ref = phases.add(run_shards(self.policy, PolicyWorker.compute_logprobs,
-                                            reads(batch, LOGPROBS_READS), self.dispatch,
-                                            reference=True))
+                ref = phases.add(reference_logprobs(self, reads(batch, LOGPROBS_READS)))
                 batch = add_columns(batch, packed={"ref_logp": ref.batch.packed["ref_logp"]})
         if self.critic is not None:
             with phases("values"):

@@ -22,7 +22,9 @@ Read in this order:
 12. critic.py      `CriticWorker`: values and the clipped value-loss update
 13. reward_model.py  `RewardModelWorker`: a learned reward model (an HF sequence
                    classifier) scores (prompt + response) texts in padded forwards
-14. streaming.py    `StreamingPolicyWorker`: the policy's generation, each response handed
+14. reference.py   `ReferenceWorker`: the frozen reference on ranks of its own
+                   (`placement.reference=pool`), the same forward as the policy's
+15. streaming.py    `StreamingPolicyWorker`: the policy's generation, each response handed
                    out on a lane of its own as the engine finishes it (`rollout.stream_rewards`)
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's

@@ -6,6 +6,8 @@ What a policy or critic worker does with a shard, as functions of (model, micro-
   the log-prob of every response token (and its entropy), the output projection run over the
   response positions only, in chunks (`logprobs.chunked_logprobs`) — the "old log-probs",
   the reference log-probs and, with grad, the log-probs inside the PPO loss;
+- `shard_logprobs`: that forward, without grad, over every micro-batch of a shard, into a
+  result (the actor's "old_logp" and the reference's "ref_logp", wherever it runs);
 - `response_values`: the critic's value at the position that predicts each response token;
 - `train_shard`: the one loop both updates share — zero grads, forward/backward every
   micro-batch with the loss weighted by GLOBAL denominators (`losses.token_weights`), clip
@@ -18,8 +20,8 @@ processes); the model may sit on a GPU. Each role method moves the micro-batch i
 hands its outputs to the `ResultBuilder`, which keeps CPU copies: a result leaving a worker
 holds CPU tensors only.
 
-The losses themselves are in `losses.py`; the workers that call this are `roles/policy.py`
-and `roles/critic.py`. Nothing here talks to Ray or knows which rank it is.
+The losses themselves are in `losses.py`; the workers that call this are `roles/policy.py`,
+`roles/critic.py` and `roles/reference.py`. Nothing here talks to Ray or knows which rank it is.
 """
 
 from __future__ import annotations
@@ -145,6 +147,24 @@ def response_logprobs(model: torch.nn.Module, x: ModelInputs, temperature: float
                                      with_entropy=with_entropy)
         logp, ent = logp[:0], (ent[:0] if ent is not None else None)
     return _unpacked(logp, valid), (_unpacked(ent, valid) if ent is not None else None)
+
+
+def shard_logprobs(model: torch.nn.Module, shard: Shard, builder: ResultBuilder, *,
+                   column: str, pad_id: int, temperature: float, packed: bool, chunk: int,
+                   with_entropy: bool) -> None:
+    """Log-probs of every response token of `shard` under `model`, without grad, into
+    `builder` as the packed `column`; `with_entropy`: the ``actor/entropy`` metric too,
+    computed chunk by chunk with the log-probs (no (tokens x vocab) tensor)."""
+    device = model_device(model)  # the builder keeps CPU copies of what it is given
+    with torch.no_grad():
+        for mb in shard.micro_batches():
+            with builder.span(column):
+                x = model_inputs(mb.to(device), pad_id, packed=packed)
+                logp, ent = response_logprobs(model, x, temperature, with_entropy=with_entropy,
+                                              chunk=chunk)
+            builder.add_padded(mb.sample_ids, mb.response_lens, padded={column: logp})
+            if ent is not None:
+                builder.metric("actor/entropy", ent[x.action_mask.bool()], "mean_tokens")
 
 
 @contextmanager

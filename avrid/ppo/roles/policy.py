@@ -11,7 +11,8 @@ trains. Per rank:
   group when dp = 1);
 - the reference: a frozen copy of the initial policy, built only when a KL term is used, held
   in `model.dtype` (it is never updated, so it needs no fp32 master copy); sharded over the
-  actor's group like the actor whenever the actor is (`fsdp.shard_frozen`), no optimizer;
+  actor's group like the actor whenever the actor is (`fsdp.shard_frozen`), no optimizer
+  (with `placement.reference="pool"` none here: `ReferenceWorker` ranks hold it);
 - the rollout engine: a full, unsharded copy in `model.dtype` that generates
   (`torch_engine.TorchEngine` or `vllm_engine.VllmEngine`), refreshed from the actor by
   `sync_weights` (chapter 4), which casts the fp32 shards to the engine's dtype.
@@ -40,12 +41,12 @@ from avrid.ppo.algo.registry import (
     compute_policy_loss,
     resolve_policy_loss,
 )
-from avrid.ppo.data.columns import ModelInputs, Totals, model_inputs, padded
+from avrid.ppo.data.columns import ModelInputs, Totals, padded
 from avrid.ppo.engines.models import initial_policy
 from avrid.ppo.engines.torch_engine import OnFinish, TorchEngine
 from avrid.ppo.roles import fsdp, handoff, lora, meta_init
 from avrid.ppo.roles.adapter_sync import AdapterSync, serves_adapters
-from avrid.ppo.roles.forward import model_device, response_logprobs, train_shard
+from avrid.ppo.roles.forward import response_logprobs, shard_logprobs, train_shard
 from avrid.ppo.roles.generation import build_engine, close_engine, generate_shard
 from avrid.ppo.roles.trained import TrainedWorker
 from avrid.ppo.roles.weight_sync import SyncReport, WeightSync
@@ -149,8 +150,10 @@ class PolicyWorker(TrainedWorker):
         its weights by the first sync (vLLM reads only the model's config either way)."""
         # The reference is the policy as it was at step 0, built only when a KL term is used.
         meta = self.from_skeleton  # then the reference is a skeleton too, filled in `setup`
-        # With LoRA the reference is the actor with its adapters off: no copy is made.
-        wanted = self.config.algo.kl_coef > 0 and not self.config.lora.enabled
+        # With LoRA the reference is the actor with its adapters off: no copy is made; with
+        # placement.reference="pool" it lives on ranks of its own (`roles/reference.py`).
+        wanted = (self.config.algo.kl_coef > 0 and not self.config.lora.enabled
+                  and self.config.placement.reference == "policy")
         self.reference = self._initial_policy(meta) if wanted else None
         self._reference_unfilled = meta and self.reference is not None
         self.engine = self._make_engine(model)
@@ -237,24 +240,17 @@ class PolicyWorker(TrainedWorker):
         base = reference and self.config.lora.enabled  # the reference: adapters off
         model = self.model if base or not reference else self.reference
         if model is None:
-            raise RuntimeError("no reference model: it is built only when algo.kl_coef > 0")
+            raise RuntimeError("no reference model here: the policy builds one only when "
+                               "algo.kl_coef > 0 and placement.reference='policy'")
         name = "ref_logp" if reference else "old_logp"
         builder = ResultBuilder.for_shard(self.identity, shard)
-        device = model_device(model)  # the builder keeps CPU copies of what it is given
-        with torch.no_grad(), lora.adapters_off(model) if base else nullcontext():
-            for mb in shard.micro_batches():
-                with builder.span(name):
-                    x = model_inputs(mb.to(device), self.pad_id,
-                                     packed=self.config.memory.pack_sequences)
-                    # The actor's entropy feeds the `actor/entropy` metric: computed chunk by
-                    # chunk with the log-probs (no (tokens x vocab) tensor), a softmax per
-                    # chunk more; the reference pass has no use for it and skips it.
-                    logp, ent = response_logprobs(model, x, self.config.rollout.temperature,
-                                                  with_entropy=not reference,
-                                                  chunk=self.config.memory.logprob_chunk)
-                builder.add_padded(mb.sample_ids, mb.response_lens, padded={name: logp})
-                if ent is not None:
-                    builder.metric("actor/entropy", ent[x.action_mask.bool()], "mean_tokens")
+        m = self.config.memory
+        # The actor's entropy feeds the `actor/entropy` metric; the reference pass skips it.
+        with lora.adapters_off(model) if base else nullcontext():
+            shard_logprobs(model, shard, builder, column=name, pad_id=self.pad_id,
+                           temperature=self.config.rollout.temperature,
+                           packed=m.pack_sequences, chunk=m.logprob_chunk,
+                           with_entropy=not reference)
         if reference and not base:  # no backward reshards its root (embedding, head): free them
             fsdp.reshard(model)
         return builder.build()

@@ -49,6 +49,10 @@ Dtype = Literal["float32", "bfloat16"]
 LrSchedule = Literal["constant", "linear", "cosine"]
 WandbMode = Literal["online", "offline", "disabled"]
 """How both learning rates move after the warm-up (see `TrainConfig.lr_schedule`)."""
+ReferencePlacement = Literal["policy", "pool"]
+"""Where the reference's log-probs are computed (`PlacementConfig.reference`)."""
+RewardPlacement = Literal["policy", "critic", "pool"]
+"""Where the rule reward's worker sits (`PlacementConfig.reward`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,7 +224,8 @@ class TrainConfig:
 class PlacementConfig:
     """Where the roles run. Actor and reference share processes, and in sync mode so does
     the rollout engine (the hybrid engine: no weight copy crosses a process); the critic
-    shares their bundles or gets its own. (`pipeline.rollout_dp`: the rollout pool.)"""
+    shares their bundles or gets its own; the reference and the rule reward may get pools of
+    their own. (`pipeline.rollout_dp`: the rollout pool.)"""
 
     backend: Backend = "ray"
     """"ray" (one process per worker) or "inprocess" (threads; debugging, dp = 1 only)."""
@@ -232,6 +237,19 @@ class PlacementConfig:
     """Data-parallel ranks of the critic."""
     colocate_critic: bool = True
     """Critic in the actor's bundles (True) or in a pool of its own."""
+    reference: ReferencePlacement = "policy"
+    """Where the frozen reference computes its log-probs (with algo.kl_coef > 0): "policy"
+    in the policy's own ranks (a copy beside the actor; with LoRA the actor with its
+    adapters off), "pool" on `reference_dp` ranks of a pool of their own, each holding a
+    whole frozen copy of the initial weights (with LoRA: the base weights), so its pass can
+    run beside the actor's (train.concurrent_phases)."""
+    reference_dp: int = 1
+    """Ranks of reference="pool" (data-parallel; each holds the whole frozen model)."""
+    reward: RewardPlacement = "policy"
+    """Where the rule reward's worker sits: "policy" (a 0.1-CPU share of the first policy
+    bundle), "critic" (the same share of the first critic bundle; PPO), or "pool" (a bundle
+    of `cpus_per_worker` CPUs of its own). It holds no model; a learned reward model has its
+    own setting, reward_model.placement."""
     cpus_per_worker: float = 1.0
     """CPUs in each bundle (the torch threads of a worker)."""
     strategy: Strategy = "PACK"
@@ -253,8 +271,10 @@ class PlacementConfig:
              f"{self.ray_address!r}")
         one_of("placement.backend", self.backend, Backend, "backend")
         one_of("placement.device", self.device, Device, "device")
+        one_of("placement.reference", self.reference, ReferencePlacement, "placement")
+        one_of("placement.reward", self.reward, RewardPlacement, "placement")
         positive("placement", actor_dp=self.actor_dp, critic_dp=self.critic_dp,
-                 cpus_per_worker=self.cpus_per_worker)
+                 reference_dp=self.reference_dp, cpus_per_worker=self.cpus_per_worker)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

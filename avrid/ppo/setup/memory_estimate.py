@@ -16,7 +16,8 @@ peak, by component:
     activ    saved activations (`memory_activations.py`)
     logits   `memory.logprob_chunk` positions x vocab, a few fp32 copies (`memory_activations`)
     ref      the frozen reference in model.dtype (kl_coef > 0), 1/actor_dp; none with LoRA
-             (the actor with its adapters off) and in host memory with cpu_offload
+             (the actor with its adapters off) and in host memory with cpu_offload; with
+             placement.reference=pool a whole copy on each "reference" GPU instead
     critic   a colocated critic's state (placement.colocate_critic, PPO) on the policy's GPU
     rm       a reward model's weights, on every phase of the GPU its placement names; its
              own phase "reward model" adds one forward (`memory_reward_model.py`)
@@ -31,8 +32,8 @@ peak, by component:
     runtime  the CUDA context and allocator slack of a GPU process (`CUDA_RUNTIME`; 0 on CPU)
 
 The GPUs of the layout: "policy" (actor, reference, and in sync mode the engine), "critic"
-(a critic on GPUs of its own), in the pipeline modes "rollout" (`memory_pipeline.py`), and
-"reward_model" (a reward model in a pool of its own).
+(a critic on GPUs of its own), in the pipeline modes "rollout" (`memory_pipeline.py`),
+"reward_model" (a reward model in a pool of its own), and "reference" (a reference pool).
 
 Not here: the micro-batch and its activations (`memory_activations.py`), shapes
 (`memory_shapes.py`), printing (`memory_report.py`), running anything.
@@ -112,7 +113,8 @@ class Estimate:
     sleep_transfer_bytes: int = 0
     """Host <-> GPU bytes that sleep moves per step (level 1: the base out and back)."""
     gpus: dict[str, int] = field(default_factory=dict)
-    """GPUs of each kind the layout uses ("policy", "critic", "rollout", "reward_model")."""
+    """GPUs of each kind the layout uses ("policy", "critic", "rollout", "reward_model",
+    "reference")."""
 
     def peak(self, gpu: str | None = None) -> int:
         """The largest phase peak (of one GPU kind, or of all)."""
@@ -129,6 +131,8 @@ def layout_gpus(config: PPOConfig) -> dict[str, int]:
         out["critic"] = p.critic_dp
     if config.reward_model.enabled and reward_model_gpu(config) == "reward_model":
         out["reward_model"] = config.reward_model.dp
+    if p.reference == "pool":
+        out["reference"] = p.reference_dp
     if q.mode != "sync":
         tp = config.rollout.tensor_parallel_size if config.rollout.engine == "vllm" else 1
         out["rollout"] = (q.rollout_dp or p.actor_dp) * tp
@@ -219,7 +223,8 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
     actor = _state_parts(policy, total, trained, p.actor_dp, cd, fsdp=fsdp, offload=offload)
     # Outside a forward every FSDP unit is resharded: the masters alone (sync reshards first).
     masters_only = {"params": 0 if offload else 4 * math.ceil(total / p.actor_dp)}
-    has_ref = a.kl_coef > 0 and not config.lora.enabled  # LoRA: the actor, adapters off
+    # LoRA: the actor, adapters off; a reference pool: none on the policy's GPUs.
+    has_ref = a.kl_coef > 0 and not config.lora.enabled and p.reference == "policy"
     ref = cd * math.ceil(policy.params / p.actor_dp) if has_ref and not offload else 0
     colocated_critic = critic is not None and p.colocate_critic
     critic_state = _state_parts(critic, critic.critic_params, critic.critic_params,
@@ -252,10 +257,14 @@ def estimate(config: PPOConfig, *, gpu_bytes: int = 80 * GiB, vocab: int | None 
         # A sharded (or offloaded) reference gathers its units as the actor does.
         gathered = cd * (2 * policy.layer_params + policy.root_params) if (
             has_ref and (p.actor_dp > 1 or offload)) else 0
-        trainer.append(Phase(name="ref log-probs", gpu="policy", parts={
-            **base, **actor, "ref": ref + gathered,
-            "activ": forward_bytes(policy, w, config, cd, grad=False, checkpointing=ckpt,
-                                   kernel=kernel, logits=rlp), "logits": rlp}))
+        activ = forward_bytes(policy, w, config, cd, grad=False, checkpointing=ckpt,
+                              kernel=kernel, logits=rlp)
+        if p.reference == "pool":  # a whole copy per rank (`roles/reference.py`), alone
+            trainer.append(Phase(name="ref log-probs", gpu="reference", parts={
+                "runtime": rt, "ref": cd * policy.params, "activ": activ, "logits": rlp}))
+        else:
+            trainer.append(Phase(name="ref log-probs", gpu="policy", parts={
+                **base, **actor, "ref": ref + gathered, "activ": activ, "logits": rlp}))
     ulp = logit_bytes(policy, w, mem.logprob_chunk, grad=True, entropy=a.entropy_coef > 0)
     bwd = forward_bytes(policy, w, config, cd, grad=True, checkpointing=ckpt, kernel=kernel,
                         logits=ulp)

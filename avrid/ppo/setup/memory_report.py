@@ -27,7 +27,7 @@ MAX_DP = 8
 """The most actor ranks `suggest` proposes without ``--gpus`` (one node of 8 GPUs)."""
 SUGGESTED_LORA_RANK = 16
 """The LoRA rank `suggest` proposes (a common choice: ~0.5% of a 7B model's parameters)."""
-GPU_KINDS = ("policy", "critic", "rollout", "reward_model")
+GPU_KINDS = ("policy", "critic", "rollout", "reward_model", "reference")
 """The tables' order: `Phase.gpu`'s kinds."""
 _UNITS = {"": GiB, "g": GiB, "gb": GiB, "gib": GiB, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}

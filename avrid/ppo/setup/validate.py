@@ -7,7 +7,8 @@ rule, each error naming the field to change and what is allowed:
 
     algo       GRPO needs >= 2 responses per prompt; k1 cannot be the KL in the loss
     placement  an address needs the ray backend; in-process runs one rank per role; a
-               colocated critic fits in the policy's bundles
+               colocated critic fits in the policy's bundles; a reference pool needs a KL
+               term; the rule reward on the critic's bundle needs a critic
     pipeline   an in-process run has one rollout rank; streamed rewards in sync mode only
     reward     a reward model placed with the critic needs a critic
     hardware   CUDA runs on ray; bf16 and CPU offload train on ray; vLLM on CPU needs a
@@ -100,6 +101,13 @@ def _placement(config: PPOConfig) -> None:
     need(not (config.algo.uses_critic and p.colocate_critic) or p.critic_dp <= p.actor_dp,
          "placement.critic_dp", f"a colocated critic uses the policy's {p.actor_dp} bundles, "
          f"so it needs critic_dp <= actor_dp, got {p.critic_dp}")
+    # A pool that nothing calls would hold devices (and a model) for nothing.
+    need(p.reference == "policy" or config.algo.kl_coef > 0, "placement.reference",
+         "'pool' holds the reference for the KL term, but algo.kl_coef is 0, so no step "
+         "reads it; set algo.kl_coef > 0 or placement.reference='policy'")
+    need(p.reward != "critic" or config.algo.uses_critic, "placement.reward",
+         f"'critic' puts the rule reward on the critic's first bundle, but "
+         f"{config.algo.name} has no critic; use 'policy' or 'pool'")
 
 
 def _pipeline(config: PPOConfig) -> None:
