@@ -8,6 +8,7 @@
 - `prompt_batch`: the prompts of a step, each repeated `responses_per_prompt` times, as a
   chapter 2 `Batch` (unique sample ids, the prompt's index and its group for GRPO).
 - `mini_batches`: a step's samples shuffled and cut into the optimizer's mini-batches.
+- `step_seed`: the sampling seed of step k (and of validation), from (seed, k) alone.
 
 No models and no Ray here; `driver/trainer.py` calls these. What a batch then grows (responses,
 scores, log-probs, advantages) is `columns.py`.
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from avrid.dispatch import Batch, Packed
+from avrid.ppo.setup.config import PPOConfig
 from avrid.ppo.setup.task import Prompt
 from avrid.ppo.setup.tokenizer import Tokenizer
 
@@ -137,3 +139,9 @@ def mini_batches(n: int, size: int, min_size: int, gen: torch.Generator) -> list
         last = chunks.pop()
         chunks[-1] = torch.cat([chunks[-1], last])
     return chunks
+
+
+def step_seed(config: PPOConfig, step: int) -> int:
+    """The sampling seed of `step` (-1: validation), from (train.seed, step) alone; each rank
+    adds its rank, and the step's mini-batch shuffle uses this + 1."""
+    return config.train.seed * 1_000_003 + (step + 1) * 7919

@@ -23,4 +23,6 @@ Read in this order:
                    each once its inputs are ready, the results put back in the serial order
 12. reference.py  where "ref_logp" is computed: the policy's ranks, or a reference pool's
                   (`placement.reference`), for the serial and the concurrent step alike
+13. reward_stream.py  with `rollout.stream_rewards`: each response sent to the reward worker
+                      as the engine finishes it; the scores put together as the serial call's
 """

@@ -48,7 +48,7 @@ from avrid.dispatch import Batch
 from avrid.ppo.data.columns import add_columns, reads
 from avrid.ppo.data.credit import compute_advantages
 from avrid.ppo.driver.reference import reference_logprobs
-from avrid.ppo.driver.scoring import combined, model_scores, rule_scores
+from avrid.ppo.driver.scoring import combined, model_scores, rule_reward
 from avrid.ppo.driver.step_graph import DRIVER, StepGraph, StepPhase, learn_graph
 from avrid.ppo.roles.critic import CRITIC_UPDATE_READS, VALUES_READS, CriticWorker
 from avrid.ppo.roles.policy import LOGPROBS_READS, PolicyWorker, actor_update_reads
@@ -184,7 +184,7 @@ class _Run:
         # With a reward model, `scoring.score_batch`'s two calls, each a phase of its own (a
         # trainer that scores otherwise, chapter 7's, takes no reward model).
         with local("reward"):
-            call = local.add(rule_scores(t.reward, batch))
+            call = local.add(rule_reward(t.reward, batch, t.reward_stream))
         return Outcome(lambda b: b, [call], local)  # combine_scores weighs it
 
     def reward_model(self, batch: Batch, local: Phases) -> Outcome:

@@ -15,7 +15,7 @@ and combines them (`combined`; `reward_model.py` in setup explains the weights):
 Without a reward model the score is the rule reward itself, untouched (same-seed metrics do
 not move); with ``rule_weight=0`` the rule reward is not computed at all. This file knows
 nothing of steps, advantages or validation: it scores a batch and returns the calls made
-(its three parts are public so that the concurrent controller, `concurrent.py`, can run the
+(its parts are public so that the concurrent controller, `concurrent.py`, can run the
 two calls side by side).
 """
 
@@ -28,6 +28,7 @@ import torch
 
 from avrid.dispatch import Batch, DispatchConfig
 from avrid.ppo.data.columns import add_columns
+from avrid.ppo.driver.reward_stream import RewardStream
 from avrid.ppo.roles.reward import SCORE_READS, RewardWorker
 from avrid.ppo.roles.reward_model import RewardModelWorker
 from avrid.ppo.setup.reward_model import RewardModelConfig
@@ -39,17 +40,18 @@ Phase = Callable[[str], AbstractContextManager[None]]
 
 
 def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
-                model: WorkerGroup | None,
-                phase: Phase | None = None) -> tuple[Batch, list[Merged]]:
+                model: WorkerGroup | None, phase: Phase | None = None,
+                stream: RewardStream | None = None) -> tuple[Batch, list[Merged]]:
     """`batch` with its "score" column (and "model_score" with a reward model), and the
     calls that made them, in the order they ran: `reward` is the rule reward's group,
-    `model` the reward model's (None without one)."""
+    `model` the reward model's (None without one); `stream`: where the rule reward may
+    have been scored already, as the batch was generated (`rollout.stream_rewards`)."""
     phase = phase or (lambda name: nullcontext())
     calls: list[Merged] = []
     rule = None
     if not config.enabled or config.rule_weight != 0:
         with phase("reward"):
-            calls.append(rule_scores(reward, batch))
+            calls.append(rule_reward(reward, batch, stream))
         rule = calls[-1].batch.scalars["score"]
         if not config.enabled:  # the rule reward alone, as it is
             return add_columns(batch, scalars={"score": rule}), calls
@@ -59,6 +61,14 @@ def score_batch(batch: Batch, *, config: RewardModelConfig, reward: WorkerGroup,
         calls.append(model_scores(model, batch))
     model_score = calls[-1].batch.scalars["model_score"]
     return add_columns(batch, scalars=combined(config, rule, model_score)), calls
+
+
+def rule_reward(reward: WorkerGroup, batch: Batch, stream: RewardStream | None) -> Merged:
+    """The rule reward of `batch`: the calls `stream` started as `batch` was generated, if
+    it did (`reward_stream.py`: the very result `rule_scores` gives, bit for bit), else
+    `rule_scores` now."""
+    streamed = None if stream is None else stream.take(batch)
+    return streamed if streamed is not None else rule_scores(reward, batch)
 
 
 def rule_scores(reward: WorkerGroup, batch: Batch) -> Merged:

@@ -46,7 +46,9 @@ from avrid.ppo.data.prompts import (
     mini_batches,
     prompt_batch,
     step_indices,
+    step_seed,
 )
+from avrid.ppo.driver import reward_stream
 from avrid.ppo.driver.concurrent import learn_concurrently
 from avrid.ppo.driver.placement import build_placement, critic_after_engine
 from avrid.ppo.driver.reference import reference_logprobs
@@ -71,8 +73,7 @@ class Trainer:
     """Builds the cluster for `config` and runs steps; use as a context manager."""
 
     policy_worker: type[PolicyWorker] = PolicyWorker
-    """The worker class of the "policy" role (chapter 6's trainer swaps in one without an
-    engine)."""
+    """The "policy" role's worker class (chapter 6's has no engine; `streaming_worker`)."""
 
     def __init__(self, config: PPOConfig) -> None:
         if config.pipeline.disaggregated and type(self) is Trainer:
@@ -82,6 +83,7 @@ class Trainer:
                              f"avrid.pipeline.PipelinedTrainer (chapter 6); this Trainer runs "
                              f"the synchronous loop (pipeline.mode='sync') only")
         self.config = config
+        self.policy_worker = reward_stream.streaming_worker(config, self.policy_worker)
         check_paths(config)
         if config.reward_model.enabled:  # a wrong checkpoint fails now, not in a worker
             check_checkpoint(config.reward_model.path)
@@ -116,7 +118,8 @@ class Trainer:
 
     def placement(self) -> PlacementPlan:
         """Where each role runs (`placement.build_placement` with this run's response budget)."""
-        return build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
+        plan = build_placement(self.config, self.tokenizer, max_response_tokens=self.max_response)
+        return reward_stream.with_policy_worker(plan, self.policy_worker)
 
     def start(self, weights: dict | None = None, optimizers: dict | None = None, *,
               step: int = 0, pipeline_state: dict | None = None) -> None:
@@ -148,6 +151,7 @@ class Trainer:
         self.cluster = backend.launch(plan)
         self.policy = self.cluster.group("policy", self.policy_worker)
         self.reward = self.cluster.group("reward", RewardWorker)
+        self.reward_stream = reward_stream.for_groups(self.policy, self.reward)  # or None
         self.reward_model = (self.cluster.group("reward_model", RewardModelWorker)
                              if self.config.reward_model.enabled else None)
         self.critic = (self.cluster.group("critic", CriticWorker)
@@ -244,7 +248,9 @@ class Trainer:
     def generate_round(self, prompts: Batch, sampling: dict[str, int | bool]) -> Merged:
         """Generate responses to `prompts` now (a step's batch; dynamic sampling's extra
         rounds). Chapter 6's trainer first brings its rollout pool up to the trainer's
-        weights."""
+        weights; `rollout.stream_rewards` scores each response meanwhile (`reward_stream`)."""
+        if self.reward_stream is not None:
+            return self.reward_stream.generate(prompts, sampling)
         return run_shards(*self.generator(), prompts, None, **sampling)
 
     def generator(self) -> tuple[WorkerGroup, Callable[..., WorkerResult]]:
@@ -314,7 +320,7 @@ class Trainer:
         """`batch` scored (its "score" column: the rule reward, combined with the reward
         model's with `reward_model.path`), and the calls made, each timed by `phase`."""
         return score_batch(batch, config=self.config.reward_model, reward=self.reward,
-                           model=self.reward_model, phase=phase)
+                           model=self.reward_model, phase=phase, stream=self.reward_stream)
 
     def fill(self, step: int, batch: Batch) -> tuple[Batch, list[Merged], FillStats]:
         """Dynamic sampling (`data/dynamic_sampling.py`): the step's scored batch, its
@@ -391,9 +397,3 @@ class Trainer:
         if "model_score" in batch.scalars:
             out["val/model_score"] = float(batch.scalars["model_score"].mean())
         return out
-
-
-def step_seed(config: PPOConfig, step: int) -> int:
-    """The sampling seed of `step` (-1: validation), from (train.seed, step) alone; each rank
-    adds its rank, and the step's mini-batch shuffle uses this + 1."""
-    return config.train.seed * 1_000_003 + (step + 1) * 7919

@@ -30,7 +30,7 @@ Not here: tokenization, rewards, the vLLM engine (`vllm_engine`), batching acros
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -108,13 +108,19 @@ class Completion:
     finish_reason: FinishReason
 
 
+OnFinish = Callable[[int, Completion], None]
+"""Told of each completion as it is final: (index of its prompt in the call, completion)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the PPO loop needs from a generator."""
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[Completion]:
-        """One completion per prompt (token ids), in the prompts' order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finish: OnFinish | None = None) -> list[Completion]:
+        """One completion per prompt (token ids), in the prompts' order; `on_finish(i, c)`
+        (optional) is told of completion `c` of prompt `i` once it is final, at the latest
+        before `generate` returns (`rollout.stream_rewards` scores it meanwhile)."""
         ...
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -164,9 +170,12 @@ class TorchEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[Completion]:
-        """Sample a completion for every prompt, `batch_size` prompts per batch."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finish: OnFinish | None = None) -> list[Completion]:
+        """Sample a completion for every prompt, `batch_size` prompts per batch. A row is
+        final at the step it samples a stop token: `on_finish` hears of it then, while the
+        rest of its batch decodes on (the rows that run to `max_new_tokens`, at the end).
+        Telling changes nothing drawn: the batch still moves together."""
         if self._asleep_level is not None:
             raise RuntimeError(f"the engine is asleep (level {self._asleep_level}): wake() "
                                f"it{' and load weights' * (self._asleep_level == 2)} first")
@@ -176,11 +185,12 @@ class TorchEngine:
         with torch.inference_mode():
             for start in range(0, len(prompts), self.batch_size):
                 out += self._generate_batch(prompts[start:start + self.batch_size], params,
-                                            gen, device)
+                                            gen, device, on_finish, start)
         return out
 
     def _generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                        gen: torch.Generator, device: torch.device) -> list[Completion]:
+                        gen: torch.Generator, device: torch.device,
+                        on_finish: OnFinish | None = None, first: int = 0) -> list[Completion]:
         ids, mask, pos = (t.to(device) for t in pad_left(prompts, self.pad_token_id))
         b = ids.shape[0]
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
@@ -203,6 +213,11 @@ class TorchEngine:
             hit = ~stopped & torch.isin(tok, stop)
             length = torch.where(hit, step + 1, length)
             stopped |= hit
+            if on_finish is not None and bool(hit.any()):  # their tokens so far are final
+                for i in hit.nonzero().flatten().tolist():
+                    on_finish(first + i, Completion(
+                        token_ids=tuple(tokens[i, :step + 1].tolist()),
+                        logprobs=tuple(logps[i, :step + 1].tolist()), finish_reason="stop"))
             if bool(stopped.all()) or step + 1 == params.max_new_tokens:
                 break
             # Finished rows keep decoding (a batch moves together); their tokens are dropped.
@@ -213,10 +228,15 @@ class TorchEngine:
             next_pos = next_pos + 1
         tokens_l, logps_l, length_l, stopped_l = (
             tokens.tolist(), logps.tolist(), length.tolist(), stopped.tolist())
-        return [Completion(token_ids=tuple(tokens_l[i][:length_l[i]]),
+        done = [Completion(token_ids=tuple(tokens_l[i][:length_l[i]]),
                            logprobs=tuple(logps_l[i][:length_l[i]]),
                            finish_reason="stop" if stopped_l[i] else "length")
                 for i in range(b)]
+        if on_finish is not None:  # the rows that ran to the end are final now
+            for i in range(b):
+                if not stopped_l[i]:
+                    on_finish(first + i, done[i])
+        return done
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from avrid.ppo.engines import vllm_lora, vllm_process
-from avrid.ppo.engines.torch_engine import Completion, SamplingParams
+from avrid.ppo.engines.torch_engine import Completion, OnFinish, SamplingParams
 from avrid.ppo.engines.vllm_logs import QuietVllmSink, quiet_vllm
 from avrid.reshard.engines import VLLM_EXTENSION
 from avrid.reshard.layout import ModelLayout
@@ -219,9 +219,11 @@ class VllmEngine:
             logprobs=0,  # just the sampled token's
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False)
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in order; vLLM batches and schedules them itself."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finish: OnFinish | None = None) -> list[Completion]:
+        """One completion per prompt, in order; vLLM batches and schedules them itself.
+        `on_finish` hears of every completion when the call ends (``LLM.generate`` returns
+        them together; telling each as vLLM finishes it would need its engine's step loop)."""
         from vllm import TokensPrompt
 
         if self._asleep:
@@ -233,7 +235,11 @@ class VllmEngine:
             sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
             outputs = self.llm.generate(requests, sampling, use_tqdm=False,
                                         lora_request=self._adapter_request())
-        return [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
+        done = [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
+        if on_finish is not None:
+            for i, completion in enumerate(done):
+                on_finish(i, completion)
+        return done
 
     @contextlib.contextmanager
     def _seeded(self, params: SamplingParams) -> Iterator[None]:

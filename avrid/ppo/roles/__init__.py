@@ -24,6 +24,8 @@ Read in this order:
                    classifier) scores (prompt + response) texts in padded forwards
 14. reference.py   `ReferenceWorker`: the frozen reference on ranks of its own
                    (`placement.reference=pool`), the same forward as the policy's
+15. streaming.py    `StreamingPolicyWorker`: the policy's generation, each response handed
+                   out on a lane of its own as the engine finishes it (`rollout.stream_rewards`)
 
 The driver (`driver/trainer.py`) calls their public methods through chapter 3's
 `run_shards`, sending each only the batch columns it reads (the ``*_READS`` next to each

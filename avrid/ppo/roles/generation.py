@@ -25,7 +25,7 @@ import torch
 
 from avrid.dispatch import Packed, Shard
 from avrid.ppo.engines.models import ATTN_IMPLEMENTATION
-from avrid.ppo.engines.torch_engine import SamplingParams, TorchEngine
+from avrid.ppo.engines.torch_engine import OnFinish, SamplingParams, TorchEngine
 from avrid.ppo.roles import fsdp
 from avrid.ppo.roles.adapter_sync import serves_adapters
 from avrid.ppo.setup.config import PPOConfig
@@ -90,14 +90,15 @@ def _vllm_engine(config: PPOConfig, model: torch.nn.Module, *, rank: int,
 
 def generate_shard(engine: Any, shard: Shard, identity: WorkerIdentity, config: PPOConfig, *,
                    stop_ids: tuple[int, ...], max_response: int, max_new_tokens: int,
-                   greedy: bool, seed: int,
-                   scalars: dict[str, int] | None = None) -> WorkerResult:
+                   greedy: bool, seed: int, scalars: dict[str, int] | None = None,
+                   on_finish: OnFinish | None = None) -> WorkerResult:
     """Sample one response per prompt of the shard (the rows' "tokens" are prompts).
     Outputs: packed "response" token ids and "rollout_logp" (sampled-token log-probs), the
     per-sample scalar "truncated" (1 where the response hit `max_new_tokens` without a stop
     token: finish reason "length") and each of `scalars` (a constant stamped on every
     sample, e.g. chapter 6's weight "version"). `max_response` is the budget the engine's
-    context was sized for: a larger `max_new_tokens` is refused."""
+    context was sized for: a larger `max_new_tokens` is refused. `on_finish(i, c)`: told of
+    row i's completion as soon as it is final (`streaming.py`'s reward stream)."""
     if max_new_tokens > max_response:
         raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the run's response budget "
                          f"of {max_response} tokens")
@@ -112,7 +113,12 @@ def generate_shard(engine: Any, shard: Shard, identity: WorkerIdentity, config: 
                             seed=seed + identity.rank)  # one stream per rank
     # The engine must be awake: its owner orders the hand-over (`handoff.py`).
     with builder.span("generate"):
-        done = engine.generate(prompts, params) if prompts else []
+        if not prompts:
+            done = []
+        elif on_finish is None:  # an engine that takes no `on_finish` (a test's) still runs
+            done = engine.generate(prompts, params)
+        else:
+            done = engine.generate(prompts, params, on_finish)
     lengths = [len(c.token_ids) for c in done]
     truncated = torch.tensor([c.finish_reason == "length" for c in done], dtype=torch.int64)
     stamped = {name: torch.full((len(done),), value, dtype=torch.int64)

@@ -43,7 +43,7 @@ from avrid.ppo.algo.registry import (
 )
 from avrid.ppo.data.columns import ModelInputs, Totals, padded
 from avrid.ppo.engines.models import initial_policy
-from avrid.ppo.engines.torch_engine import TorchEngine
+from avrid.ppo.engines.torch_engine import OnFinish, TorchEngine
 from avrid.ppo.roles import fsdp, handoff, lora, meta_init
 from avrid.ppo.roles.adapter_sync import AdapterSync, serves_adapters
 from avrid.ppo.roles.forward import response_logprobs, shard_logprobs, train_shard
@@ -213,6 +213,11 @@ class PolicyWorker(TrainedWorker):
                  seed: int) -> WorkerResult:
         """Sample one response per prompt of the shard (`generation.generate_shard`): packed
         "response" and "rollout_logp", scalar "truncated"."""
+        return self._generate(shard, max_new_tokens=max_new_tokens, greedy=greedy, seed=seed)
+
+    def _generate(self, shard: Shard, *, max_new_tokens: int, greedy: bool, seed: int,
+                  on_finish: OnFinish | None = None) -> WorkerResult:
+        """`generate`, telling `on_finish` of each row as it is final (`streaming.py`)."""
         if self.engine is None:
             raise RuntimeError(f"{self.identity.name} has no rollout engine: with pipeline."
                                f"mode={self.config.pipeline.mode!r} the rollout pool generates")
@@ -220,7 +225,8 @@ class PolicyWorker(TrainedWorker):
             self._load_engine()  # step, or validation): every rank reloads, as in a sync
         result = generate_shard(self.engine, shard, self.identity, self.config,
                                 stop_ids=self.stop_ids, max_response=self.max_response,
-                                max_new_tokens=max_new_tokens, greedy=greedy, seed=seed)
+                                max_new_tokens=max_new_tokens, greedy=greedy, seed=seed,
+                                on_finish=on_finish)
         # The GPU is the trainer's until the next sync; an engine that serves adapters keeps
         # its base weights (offloaded to host memory) instead of dropping them.
         handoff.to_trainer(self.engine, level=self.sleep_level)

@@ -31,7 +31,22 @@ SCORE_READS = ("tokens", "split", "prompt_index")
 (``batch.only(*SCORE_READS)``), not every column the batch has grown."""
 SCORE_WRITES = ("score",)
 """The column `RewardWorker.score` adds: the rule reward per sample (with a reward model it is
-the "rule_score" that `driver/scoring.py` weighs against the model's)."""
+the "rule_score" that `driver/scoring.py` weighs against the model's). Its result also holds
+each logged extra per sample ("reward/<name>"), which the driver does not add to the batch."""
+
+
+def add_scores(builder: ResultBuilder, sample_ids: torch.Tensor, scores: torch.Tensor,
+               extras: Mapping[str, torch.Tensor]) -> None:
+    """The rule reward's outputs for these samples — "score", and each extra the reward
+    functions log as the per-sample column "reward/<name>" — and their means as metrics.
+    `RewardWorker.score` adds its shard's with it, and the driver the whole batch's of a
+    streamed step (`driver/reward_stream.py`), so both reduce the same numbers the same way:
+    a streamed step's metrics are the serial step's bit for bit."""
+    columns = {f"reward/{name}": column for name, column in extras.items()}
+    builder.add(sample_ids, scalars={"score": scores, **columns})
+    builder.metric("reward/score", scores, "mean_samples")
+    for name, column in columns.items():
+        builder.metric(name, column, "mean_samples")
 
 
 class RewardWorker(Worker):
@@ -69,11 +84,9 @@ class RewardWorker(Worker):
             else:
                 values = [self._task_reward(s) for s in samples]
             scores = torch.tensor(values, dtype=torch.float32)
-        builder.add(batch.sample_ids, scalars={"score": scores})
-        builder.metric("reward/score", scores, "mean_samples")
-        for name, column in extras.items():
-            builder.metric(f"reward/{name}", torch.tensor(column, dtype=torch.float32),
-                           "mean_samples")
+        add_scores(builder, batch.sample_ids, scores,
+                   {name: torch.tensor(column, dtype=torch.float32)
+                    for name, column in extras.items()})
         return builder.build()
 
     def samples(self, batch: Batch) -> list[Sample]:

@@ -9,7 +9,7 @@ rule, each error naming the field to change and what is allowed:
     placement  an address needs the ray backend; in-process runs one rank per role; a
                colocated critic fits in the policy's bundles; a reference pool needs a KL
                term; the rule reward on the critic's bundle needs a critic
-    pipeline   an in-process run has one rollout rank
+    pipeline   an in-process run has one rollout rank; streamed rewards in sync mode only
     reward     a reward model placed with the critic needs a critic
     hardware   CUDA runs on ray; bf16 and CPU offload train on ray; vLLM on CPU needs a
                head dim it supports
@@ -116,6 +116,12 @@ def _pipeline(config: PPOConfig) -> None:
     need(not q.disaggregated or p.backend != "inprocess" or rollout_dp == 1,
          "pipeline.rollout_dp", f"the in-process backend runs each role as one thread; set "
          f"pipeline.rollout_dp=1 or use backend='ray' (got {rollout_dp})")
+    # Chapter 6's rollout pool generates a step ahead, already beside the trainer's work;
+    # its samples reach the driver whole, so there is no tail to score meanwhile.
+    need(not (q.disaggregated and config.rollout.stream_rewards), "rollout.stream_rewards",
+         f"scores the samples of the synchronous loop's generation as they finish; "
+         f"pipeline.mode={q.mode!r} generates in a pool of its own: set "
+         f"rollout.stream_rewards=false or pipeline.mode='sync'")
 
 
 def _reward_model(config: PPOConfig) -> None:
