@@ -74,10 +74,16 @@ lint: setup  ## style and the layer import contract
 # `pytestmark = pytest.mark.chapter(2)`; see tests/conftest.py), for a learner on that chapter,
 # in under two minutes: without the `slow` ones (whole runs, demos, notebooks), which
 # `make test CH=2 SLOW=1` adds. `make test` alone runs everything, slow tests included.
+# JOBS=2 (the default): two pytest processes (pytest-xdist), each taking a whole test file at a
+# time, so a file's shared runs (module fixtures) are made once; the tests' Ray is each
+# process's own ("local"). Most tests wait on Ray workers or subprocesses much of their time,
+# so two processes keep a 2-core machine busy. JOBS=1: one process, the files in order.
 CH ?=
 SLOW ?=
+JOBS ?= 2
 test: lint  ## the CPU test suite (gpu/vllm tests skip themselves here); CH=N: chapter N only
-	$(BIN)/python -m pytest $(if $(CH),--chapter $(CH) $(if $(SLOW),,-m "not slow"))
+	$(BIN)/python -m pytest $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile) \
+	    $(if $(CH),--chapter $(CH) $(if $(SLOW),,-m "not slow"))
 
 test-vllm: vllm-setup  ## the vllm tier: every vllm-marked test on the real engine (CPU here)
 	$(VBIN)/python -m pytest -m vllm -p no:cacheprovider
