@@ -37,6 +37,7 @@ DYNAMIC = "avrid/ppo/data/dynamic_sampling.py"
 REGISTRY = "avrid/ppo/algo/registry.py"
 EPISODES = "avrid/agents/episodes.py"
 EXPORT_DEST = "avrid/ppo/outputs/export_dest.py"
+REFERENCE = "avrid/ppo/roles/reference.py"
 EPISODE_LIMITS = ("tests/test_agents_episode_limits.py",)
 EDGES = ("tests/test_ppo_estimator_edges.py",)
 
@@ -107,8 +108,11 @@ SITES: tuple[Site, ...] = (
          "logp, ent = response_logprobs(self.model, x, self.config.rollout.temperature,",
          "logp, ent = response_logprobs(self.model, x, 1.0,", ROLE),
     site("old_logp_temperature", POLICY,
-         "logp, ent = response_logprobs(model, x, self.config.rollout.temperature,",
-         "logp, ent = response_logprobs(model, x, 1.0,", ROLE),
+         "    temperature=self.config.rollout.temperature,\n                           packed=",
+         "    temperature=1.0,\n                           packed=", ROLE),
+    site("ref_pool_temperature", REFERENCE,
+         "temperature=self.config.rollout.temperature, packed=",
+         "temperature=1.0, packed=", ("tests/test_placement_pools.py",)),
     site("reads_rollout_logp", POLICY, 'reads += ("rollout_logp",)', "reads += ()", READS),
     site("reads_ref_logp", POLICY, 'reads += ("ref_logp",)', "reads += ()", READS),
     # ---- the critic's loss (roles/critic.py) ----

@@ -101,8 +101,10 @@ def test_bad_placements_are_refused_in_one_line(sets: tuple[str, ...], error: st
 # ---- the same run, wherever the reference and the reward are -----------------------------------
 
 SAME = {
-    # serially: ref_logp on the pool instead of after old_logp on the policy's ranks
-    "ppo, kl in the reward": ("tiny-ppo", "algo.kl_coef=0.05", "algo.kl_in=reward"),
+    # serially: ref_logp on the pool instead of after old_logp on the policy's ranks; at a
+    # sampling temperature other than 1, which the pool's log-probs must apply as well
+    "ppo, kl in the reward": ("tiny-ppo", "algo.kl_coef=0.05", "algo.kl_in=reward",
+                              "rollout.temperature=0.8"),
     # LoRA: the pool holds the base weights, which the actor computes with adapters off
     "ppo, lora, kl in the loss": ("tiny-ppo-lora", "algo.kl_coef=0.05"),
     # concurrently: ref_logp beside old_logp, values and reward; the reward on its own pool
