@@ -102,9 +102,12 @@ def test_k0_is_the_sync_run_bit_for_bit_in_process(extra: tuple[str, ...]) -> No
 
 @pytest.mark.slow
 def test_k0_is_the_sync_run_bit_for_bit_on_ray_over_two_pools(ray_cluster: None) -> None:
-    sync_rows, sync_w, _ = run_steps(config("train.critic_warmup_steps=1", inprocess=False))
+    # Three steps (two that move the actor), not four: the in-process test above runs four,
+    # and this one's worker processes took 144 s of its 180 s beside two busy loops.
+    sync_rows, sync_w, _ = run_steps(config("train.critic_warmup_steps=1", inprocess=False,
+                                            steps=3))
     k0_rows, k0_w, tr = run_steps(config("train.critic_warmup_steps=1", "pipeline.mode=async",
-                                         "pipeline.max_staleness=0", inprocess=False))
+                                         "pipeline.max_staleness=0", inprocess=False, steps=3))
     assert tr.rollout.world_size == 2 and tr.policy.world_size == 2
     assert algorithmic(k0_rows) == algorithmic(sync_rows)
     assert same_weights(k0_w, sync_w)
