@@ -102,9 +102,10 @@ def test_streamed_completions_are_the_plain_ones_bit_for_bit(
     caller_rng = torch.random.get_rng_state()
     stopping, r, k = an_early_stop(engine, params)
     plain = engine.generate(GROUP, stopping)
-    done, _ = streamed(engine, GROUP, stopping)
+    done, told = streamed(engine, GROUP, stopping)
     assert done == plain  # token ids, log-probs (floats compared exactly), finish reasons
     assert done[r].finish_reason == "stop" and len(done[r].token_ids) == k
+    assert told.calls[0][0::2] == (r, len(GROUP) - 1)  # ... and row r told as it stopped
     assert {c.finish_reason for c in done} == {"stop", "length"}
     if seed_mode == "batch":  # the caller's RNG put back after the streamed loop too
         assert torch.equal(torch.random.get_rng_state(), caller_rng)
@@ -125,7 +126,7 @@ def test_a_response_that_stops_early_is_told_while_others_decode(engine: VllmEng
 
 
 def test_an_on_finish_that_raises_leaves_the_engine_usable(engine: VllmEngine) -> None:
-    params = CASES["sampled"]
+    params = an_early_stop(engine, CASES["sampled"])[0]  # raised while the others decode
     before = engine.generate(GROUP, params)
 
     def boom(i: int, completion: Completion) -> None:
