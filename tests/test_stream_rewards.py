@@ -7,7 +7,8 @@ the final weights — for GRPO with dynamic sampling, PPO with the concurrent co
 a reward model beside the rule reward, in process and on Ray with two policy ranks; the
 reward worker does score while the engine generates; a reward function that raises or hangs
 ends the step with the serial run's one-line errors; the torch engine tells each response
-once, as it stops, identical to what it returns. Chapter 7's episodes need no setting: the
+once, as it stops, identical to what it returns; with the vLLM engine (`vllm` tier) the run
+is the serial one too, scored while it generates. Chapter 7's episodes need no setting: the
 environment gives each episode's reward at its last step, while the engine generates the
 others (pinned here too).
 """
@@ -117,6 +118,24 @@ def test_the_reward_worker_scores_while_the_engine_still_generates(tmp_path: Pat
     assert scored[0].end < generated.end  # ... the first scored before the engine was done
     phase = next(s for s in lanes["driver"] if s.name == "reward")
     assert phase.start >= generated.end  # the step's reward phase: only what was left
+
+
+@pytest.mark.vllm
+def test_the_vllm_engine_streams_too_bit_for_bit(tmp_path: Path) -> None:
+    """`tiny-ppo-vllm` in process: vLLM's engine is stepped by `VllmEngine.generate` itself
+    (`engines/vllm_stream.py`), so its responses are scored while it generates, and the run
+    is the serial one bit for bit."""
+    cfg = config("tiny-ppo-vllm", GRADED, "rollout.max_response_tokens=24")
+    assert_streamed_is_serial(cfg, tmp_path)
+    with Trainer(with_overrides(cfg, [STREAM, "train.steps=1",
+                                      f"train.out_dir={tmp_path / 'timed'}"])) as trainer:
+        trainer.start()
+        _, batch = trainer.train_step(0)
+        lanes = {lane.label: lane.spans for lane in trainer.timeline.lanes}
+    assert len(set(batch.response_lens.tolist())) > 1
+    generated = next(s for s in lanes["policy[0]"] if s.name == "generate")
+    scored = [s for s in lanes["reward[0]"] if s.name == "reward"]
+    assert len(scored) > 1 and scored[0].end < generated.end
 
 
 def test_the_streaming_policy_rank_is_chosen_only_for_chapter_5s_own() -> None:

@@ -14,6 +14,8 @@ Read in this order:
                     kept off the screen unless asked for, and put back afterwards
 7. vllm_process.py  what that engine asks of its process: the one vLLM release it supports,
                     and the variables set while it is built (the V1 model runner everywhere)
+8. vllm_stream.py   that engine stepped by hand, each response told in the step it ends
+                    (`rollout.stream_rewards`)
 
 No Ray here; the policy worker (`roles/policy.py`) owns an engine per rank.
 """

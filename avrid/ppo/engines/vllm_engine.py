@@ -32,7 +32,8 @@ keeps vLLM at ERROR unless the user asked to see more (``avrid ppo --debug``, or
 ``VLLM_LOGGING_LEVEL``).
 
 Not here: tokenization (``skip_tokenizer_init=True``; prompts are token ids), async or
-server engines. vllm is imported only inside `VllmEngine`, so this module imports anywhere.
+server engines, the step loop that tells each response as it ends (`vllm_stream.py`). vllm
+is imported only inside `VllmEngine`, so this module imports anywhere.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from avrid.ppo.engines import vllm_lora, vllm_process
+from avrid.ppo.engines import vllm_lora, vllm_process, vllm_stream
 from avrid.ppo.engines.torch_engine import Completion, OnFinish, SamplingParams
 from avrid.ppo.engines.vllm_logs import QuietVllmSink, quiet_vllm
 from avrid.reshard.engines import VLLM_EXTENSION
@@ -222,8 +223,10 @@ class VllmEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  on_finish: OnFinish | None = None) -> list[Completion]:
         """One completion per prompt, in order; vLLM batches and schedules them itself.
-        `on_finish` hears of every completion when the call ends (``LLM.generate`` returns
-        them together; telling each as vLLM finishes it would need its engine's step loop)."""
+        With `on_finish`, the engine is stepped here (`vllm_stream.run_streamed`) and
+        `on_finish(i, c)` hears of row i in the engine step that finishes it, while the
+        others still decode: the same completions as without, bit for bit (it runs inside
+        the call's seeding scope, so it must not draw from torch's global RNG)."""
         from vllm import TokensPrompt
 
         if self._asleep:
@@ -233,13 +236,13 @@ class VllmEngine:
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         with quiet_vllm(), self._seeded(params):
             sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
+            if on_finish is not None:  # the engine stepped here, each row told as it ends
+                return vllm_stream.run_streamed(
+                    self.llm, requests, sampling, self._adapter_request(),
+                    lambda out: _completion(out, params.stop_token_ids), on_finish)
             outputs = self.llm.generate(requests, sampling, use_tqdm=False,
                                         lora_request=self._adapter_request())
-        done = [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
-        if on_finish is not None:
-            for i, completion in enumerate(done):
-                on_finish(i, completion)
-        return done
+        return [_completion(out.outputs[0], params.stop_token_ids) for out in outputs]
 
     @contextlib.contextmanager
     def _seeded(self, params: SamplingParams) -> Iterator[None]:

@@ -3,7 +3,8 @@
 `PolicyWorker.generate` answers once its whole shard is generated, so the reward worker waits
 for the step's slowest response (the long tail) before it scores the first. This rank
 generates the very same samples, with the same engine call, and keeps each response the
-moment the engine finishes it (`TorchEngine.generate`'s `on_finish`); the driver asks for them
+moment the engine finishes it (the `on_finish` of `TorchEngine.generate` and of
+`VllmEngine.generate`, which then steps vLLM's engine itself); the driver asks for them
 on a lane of their own (`Worker.lanes`: `take_finished` runs beside the `generate_streamed`
 still going on the default lane) and sends each handful to the reward worker at once
 (`driver/reward_stream.py`):
@@ -17,7 +18,7 @@ still going on the default lane) and sends each handful to the reward worker at 
 Only token ids cross, never text: the reward decodes them as in the serial step, so a
 sample's reward cannot depend on when it was scored. Not here: sending the responses to the
 reward worker and putting their scores together (the driver's `reward_stream.py`); how an
-engine knows a row is final (`torch_engine.py`).
+engine knows a row is final (`torch_engine.py`, `vllm_stream.py`).
 """
 
 from __future__ import annotations

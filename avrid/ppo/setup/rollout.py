@@ -83,10 +83,10 @@ class RolloutConfig:
     stream_rewards: bool = False
     """Score each response as soon as the engine finishes it, while the rest of the step is
     still generating (`driver/reward_stream.py`): after generation only the last ones are
-    left to score. The rewards and metrics are the serial run's, bit for bit. The torch
-    engine tells each response as it ends; vLLM tells them all when its call ends (so no
-    overlap yet). Multi-turn tasks (chapter 7) need no setting: their environments score
-    each episode as it ends."""
+    left to score. The rewards and metrics are the serial run's, bit for bit. Both engines
+    tell each response as it ends (vLLM's is then stepped by avrid: `vllm_stream.py`).
+    Multi-turn tasks (chapter 7) need no setting: their environments score each episode as
+    it ends."""
     tensor_parallel_size: int = 1
     """vLLM: GPUs one engine spans. Only 1 for now: an engine over several GPUs needs its
     tensor-parallel groups cut from the trainer's torch.distributed world (vLLM's
