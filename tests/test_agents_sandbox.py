@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import uuid
@@ -30,9 +33,12 @@ from avrid.agents.sandbox import (
     use_sandbox,
 )
 from avrid.agents.sandbox.process import ProcessSandbox
+from tests.helpers import child_env
 from tests.sandbox_server import sandbox_service
 
 pytestmark = pytest.mark.chapter(7)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LIMITS = ToolLimits(wall_s=20.0, memory_mb=256)
 """Generous wall time: these tools end at once; a loaded machine must not turn that into a
@@ -258,6 +264,32 @@ def test_a_namespaces_backend_that_cannot_start_says_why_and_never_falls_back() 
         assert "tools.sandbox='process' (NOT a security boundary)" in str(error.value)
         with pytest.raises(SandboxUnavailable, match=says):
             sandbox.run("print(1)", LIMITS)
+
+
+def test_namespaces_run_an_interpreter_whose_environment_lies_under_tmp() -> None:
+    """The sandbox mounts a fresh /tmp; a virtual environment under the host's /tmp (a CI
+    checkout, a throwaway venv) must still be seen, read-only, or the call cannot start
+    ("bwrap: execvp .../bin/python: No such file or directory", which made the backend
+    unavailable and chapter 7's notebook fall back to the process backend)."""
+    namespaces_or_skip()
+    venv = Path(tempfile.mkdtemp(prefix="avrid-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                       env=child_env(), timeout=120)
+        # avrid and bubblewrap from this environment; the interpreter, its sys.prefix, the
+        # one under /tmp.
+        paths = os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])
+        code = ("from avrid.agents.sandbox import ToolLimits, make_sandbox; import sys; "
+                "assert sys.prefix.startswith('/tmp/'), sys.prefix; "
+                "r = make_sandbox('namespaces').run('import sys; print(sys.executable)', "
+                "ToolLimits(wall_s=20.0, memory_mb=256)); print(r.status, r.output.strip())")
+        run = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                             text=True, timeout=120, env=child_env(PYTHONPATH=paths))
+        assert run.returncode == 0, run.stderr[-2000:]
+        # The call ran, inside the sandbox, on the interpreter under /tmp.
+        assert run.stdout.split() == ["ok", str(venv / "bin" / "python")], run.stdout
+    finally:
+        shutil.rmtree(venv)
 
 
 def test_the_process_backend_warns_that_it_is_not_a_boundary() -> None:

@@ -2,10 +2,11 @@
 as the phases it reads from have finished gives the serial run bit for bit — every algorithmic
 metric, every column of every step's batch (the samples), the final weights — for PPO (the
 critic on its own pool, a KL term, a warm-up step), GRPO with dynamic sampling, LoRA (the
-reference on the same ranks), a reward model beside the rule reward, one-step-off, in
-process and on Ray (chapter 7's episodes: `tests/test_agents_pipeline.py`); the phases that
-may run together do; and a phase that fails, times out or is interrupted while others are
-in flight ends the step as the serial run does, leaking nothing.
+reference on the same ranks), a reward model beside the rule reward, one-step-off (PPO and
+GRPO), in process and on Ray (PPO sync, GRPO one-step-off; chapter 7's episodes:
+`tests/test_agents_pipeline.py`); the phases that may run together do; and a phase that
+fails, times out or is interrupted while others are in flight ends the step as the serial
+run does, leaking nothing.
 
 In-process runs take seconds (one rank per role); the Ray test uses `ray_cluster`.
 """
@@ -110,6 +111,7 @@ CASES = {
     "grpo, dynamic sampling, kl in the loss": ("tiny-grpo", "algo.dynamic_sampling=true",
                                                "algo.kl_coef=0.05"),
     "ppo, one-step-off": ("tiny-ppo", "pipeline.mode=one_step_off", "pipeline.rollout_dp=1"),
+    "grpo, one-step-off": ("tiny-grpo", "pipeline.mode=one_step_off", "pipeline.rollout_dp=1"),
     # the reference is the actor with its adapters off: the same ranks, in the policy's order
     "ppo, lora, kl in the loss": ("tiny-ppo-lora", "algo.kl_coef=0.05"),
 }
@@ -130,10 +132,19 @@ def test_a_reward_model_beside_the_rule_reward_gives_the_serial_scores(tmp_path:
                                 tmp_path)
 
 
+RAY_CASES = {
+    "ppo, sync": ("tiny-ppo", "algo.kl_coef=0.05", "train.steps=1"),
+    # a rollout pool of its own; step 1 trains on a batch one version stale
+    "grpo, one-step-off": ("tiny-grpo", "pipeline.mode=one_step_off", "pipeline.rollout_dp=1"),
+}
+
+
 @pytest.mark.slow
-def test_concurrent_phases_give_the_serial_run_on_ray(tmp_path: Path, ray_cluster: None) -> None:
-    assert_concurrent_is_serial(config("tiny-ppo", "algo.kl_coef=0.05", "train.steps=1",
-                                       inprocess=False), tmp_path)
+@pytest.mark.parametrize("case", RAY_CASES)
+def test_concurrent_phases_give_the_serial_run_on_ray(case: str, tmp_path: Path,
+                                                      ray_cluster: None) -> None:
+    name, *sets = RAY_CASES[case]
+    assert_concurrent_is_serial(config(name, *sets, inprocess=False), tmp_path)
 
 
 # ---- the phases do run at once ----------------------------------------------------------------

@@ -100,11 +100,15 @@ def bwrap_argv(bwrap: str, limits: ToolLimits, *, info_fd: int,
     """The whole command line of one call (printable; the code itself comes on stdin)."""
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
-            "--clearenv", *runtime_binds(),
+            "--clearenv",
+            # The scratch tmpfs before the runtime: bubblewrap mounts in argument order, and
+            # an interpreter whose environment lies under /tmp (a CI checkout, a throwaway
+            # venv) would otherwise be hidden under the fresh tmpfs ("execvp: No such file").
+            "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
+            *runtime_binds(),
             "--proc", "/proc",
             "--dev", "/dev", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
             "--remount-ro", "/dev",  # /dev itself is a tmpfs without a size: no files there
-            "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
             "--remount-ro", "/", "--chdir", SCRATCH, "--info-fd", str(info_fd)]
     if seccomp_fd is not None:
         argv += ["--add-seccomp-fd", str(seccomp_fd)]
