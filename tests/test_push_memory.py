@@ -14,6 +14,12 @@ Measured, not inferred: every tensor the push code allocates (`avrid.pipeline.tr
 through `torch.empty`) is followed until it is freed, each side on its own, through a whole
 in-process run (gloo) in which the tiny actor (337,152 bytes in fp32) is pushed in 6 buckets
 of 64 KiB; the run's fingerprint check still proves each engine got exactly the model.
+
+Rank 0's bound must not rest on the backend's timing: gloo's worker thread (NCCL's watchdog)
+lets go of a finished broadcast's tensors a little after `wait` returns, so a fresh buffer per
+bucket was still alive, now and then, when the next one was made (CI once saw 140,544 bytes:
+the last bucket made while the two before it were still held). The second test plays a
+backend that never lets go: rank 0 packs into the same two buffers in turn.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from avrid.pipeline import PipelinedTrainer, transfer
 from avrid.ppo.setup.overrides import with_overrides
 from avrid.ppo.setup.presets import preset
+from avrid.reshard import ModelLayout, ParamLayout
 from tests.pipeline_workers import CountingLearner, CountingRollout
 
 pytestmark = pytest.mark.chapter(6)
@@ -103,3 +110,42 @@ def test_a_push_holds_a_few_buckets_on_either_side(monkeypatch: pytest.MonkeyPat
     assert sender.peak <= 2 * BUCKET_BYTES, f"rank 0 held {sender.peak} bytes of buckets"
     assert receiver.peak <= 3 * BUCKET_BYTES, (
         f"a rollout rank held {receiver.peak} bytes received and not yet loaded")
+
+
+class HoardingGroup:
+    """A push group whose backend keeps every broadcast it was given, finished or not (as
+    gloo's thread or NCCL's watchdog does for a while), and whose receivers read a bucket's
+    buffer only when the broadcast is waited for: a buffer packed again before then would
+    deliver the wrong bytes."""
+
+    def __init__(self) -> None:
+        self.works: list[tuple[object, torch.Tensor]] = []  # never let go
+        self.delivered: dict[int, torch.Tensor] = {}  # id(work) -> the bytes received
+
+    def broadcast(self, flat: torch.Tensor, *, root: int = 0) -> object:
+        work = object()
+        self.works.append((work, flat))
+        return work
+
+    def wait(self, works: list[object], *, deadline: float, what: str) -> None:
+        held = {id(w): flat for w, flat in self.works}
+        for work in works:
+            self.delivered[id(work)] = held[id(work)].clone()
+
+
+def test_rank_0_reuses_two_buffers_however_late_the_backend_lets_go() -> None:
+    shapes = {"embed": (40, 24), "norm": (24,), "proj": (24, 48), "head": (40, 24)}
+    target = ModelLayout(world_size=1, params=tuple(
+        (n, ParamLayout.replicated(s, "bfloat16", 1)) for n, s in shapes.items()))
+    buckets = transfer.push_buckets(target, 1000)  # 3,096 elements, 500 a bucket: 7 buckets
+    weights = {n: torch.randn(s).to(torch.bfloat16) for n, s in shapes.items()}
+    group = HoardingGroup()
+    with push_allocations() as (sender, _):
+        posted, failed = transfer.post_buckets(
+            buckets, weights.__getitem__, group, "cpu", deadline=float("inf"), who="rank 0")
+        group.wait([work for work, _ in posted], deadline=float("inf"), what="the last ones")
+        assert failed is None and len(group.works) == len(buckets) == 7
+        assert sender.peak <= 2 * max(b.nbytes for b in buckets), (
+            f"rank 0 held {sender.peak} bytes: a buffer per bucket, kept by the backend")
+    received = torch.cat([group.delivered[id(work)] for work, _ in group.works])
+    assert torch.equal(received, torch.cat([w.reshape(-1) for w in weights.values()]))

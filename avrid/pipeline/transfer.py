@@ -178,17 +178,26 @@ def post_buckets(buckets: tuple[PushBucket, ...], whole: Callable[[str], torch.T
     rank in a `PushTimeout`).
 
     Returns the last posted (work, buffer) pairs, unfinished (keep each buffer alive until its
-    work has finished), and the error of a broadcast that failed or timed out (a receiver
-    died or stopped; None if none did). After such an error rank 0 posts nothing more but
-    still gathers to the end: the other trainer ranks are in the same all-gathers and must
-    not be left waiting in them, and the caller raises the error later, once the driver has
-    heard from the receivers, where the cause is."""
+    work has finished: each is a view of one of the `POSTED_BUCKETS` buffers it packs into),
+    and the error of a broadcast that failed or timed out (a receiver died or stopped; None
+    if none did). After such an error rank 0 posts nothing more but still gathers to the
+    end: the other trainer ranks are in the same all-gathers and must not be left waiting in
+    them, and the caller raises the error later, once the driver has heard from the
+    receivers, where the cause is."""
     posted: deque[tuple[dist.Work, torch.Tensor]] = deque()
     failed: Exception | None = None
     name, flat_whole = None, None
-    for bucket in buckets:
+    # The buffers, POSTED_BUCKETS of them, reused in turn: the i-th bucket is packed into
+    # buffer i % POSTED_BUCKETS once the last one in it (i - POSTED_BUCKETS) has finished.
+    # Not one fresh buffer per bucket, freed when its broadcast is done: the backend drops
+    # its own reference to a finished operation's tensors when its thread gets to it (gloo's
+    # worker, NCCL's watchdog), after `wait` has returned, so "freed" would come some time
+    # later and rank 0 would hold a third bucket, or more, in the meantime.
+    ring: list[torch.Tensor] = []
+    ring_bytes = max((b.nbytes for b in buckets), default=0)
+    for i, bucket in enumerate(buckets):
         if group is not None and len(posted) == POSTED_BUCKETS:
-            oldest = [posted.popleft()[0]]  # the work alone: its buffer dies once it is done
+            oldest = [posted.popleft()[0]]
             try:
                 group.wait(oldest, deadline=deadline,
                            what=f"{who}: bucket {bucket.index + 1 - POSTED_BUCKETS} of "
@@ -196,9 +205,11 @@ def post_buckets(buckets: tuple[PushBucket, ...], whole: Callable[[str], torch.T
             except Exception as exc:  # PushTimeout, or the broadcast's own error
                 failed, group = exc, None
                 posted.clear()
-            del oldest  # (the work holds its buffer too)
-        flat = (torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
-                if group is not None else None)
+        flat = None
+        if group is not None:
+            if len(ring) < POSTED_BUCKETS:  # bytes, so that any bucket's dtype fits
+                ring.append(torch.empty(ring_bytes, dtype=torch.uint8, device=device))
+            flat = ring[i % POSTED_BUCKETS][:bucket.nbytes].view(bucket.dtype)
         for piece in bucket.pieces:
             if piece.name != name:  # one gathered tensor at a time (it may span buckets)
                 name, flat_whole = piece.name, whole(piece.name).reshape(-1)
