@@ -118,7 +118,7 @@ def test_unknown_methods_fail_at_once_before_anything_is_sent(backend: Backend) 
             start = time.monotonic()
             with pytest.raises(UnknownMethodError, match=match):
                 actor.call(bad)  # type: ignore[arg-type]
-            assert time.monotonic() - start < 0.1
+            assert time.monotonic() - start < 1.0  # no call waited on (a busy machine stalls 0.1 s)
         assert actor.call(EchoWorker.count) == [0, 0]  # nothing ran
         with pytest.raises(ValueError, match="per-rank argument 0 has 3 items, the group "
                                              "has 2 ranks"):

@@ -84,4 +84,4 @@ def test_a_group_whose_mesh_does_not_match_its_workers_fails_at_once() -> None:
     with pytest.raises(MeshError, match=r"mesh dp=2 x tp=2 covers 4 ranks but the group has 3"):
         WorkerGroup(role="actor", worker_cls=EchoWorker, mesh=Mesh.of(dp=2, tp=2),
                     identities=idents, channel=None)  # type: ignore[arg-type]
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 1.0  # no worker waited on (a busy machine stalls 0.1 s)
