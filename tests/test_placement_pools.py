@@ -150,6 +150,9 @@ def test_with_a_reference_pool_the_policy_holds_no_reference(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+# Quiet, 48 s; beside two busy loops on a slow day it ran past the 180 s default
+# (2026-11-28): the limit catches hangs, not a loaded machine.
+@pytest.mark.timeout(400)
 def test_pools_of_their_own_give_the_colocated_run_on_ray(tmp_path: Path,
                                                           ray_cluster: None) -> None:
     cfg = short("tiny-ppo", "algo.kl_coef=0.05", "train.steps=1", inprocess=False)
